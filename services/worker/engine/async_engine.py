@@ -1,0 +1,142 @@
+"""The engine on its own thread, streaming to asyncio callers.
+
+The engine thread owns the LLMEngine: callers never touch it. They send commands (add,
+abort) through a thread-safe queue and receive outputs on a per-request asyncio queue, so a
+forward pass never blocks the event loop and a cancelled caller aborts its request at the
+next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from services.worker.engine.llm_engine import EngineStats, LLMEngine
+from services.worker.engine.output_processor import RequestOutput
+from services.worker.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._on_step = on_step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stats = engine.stats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after each step (safe to read from any thread)."""
+        return self._stats
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
+                       cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+        """Yields outputs of all n choices until every choice has finished.
+
+        Raises ValueError for a bad request before anything is queued. Leaving the iteration
+        early (the caller was cancelled) aborts the request.
+        """
+        if not self._thread.is_alive():
+            raise EngineDead("the engine thread is not running")
+        request_id = request_id or uuid.uuid4().hex
+        self.engine.validate(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt))
+        remaining = params.n
+        try:
+            while remaining:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if remaining:
+                self._commands.put(_Abort(request_id))
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._apply_commands(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed pass must not stop the loop
+                outputs = self.engine.fail_step(e)
+            self._stats = self.engine.stats()
+            self._deliver(outputs)
+            if self._on_step is not None:
+                self._on_step(outputs)
+        for request_id in list(self._streams):
+            self._send(request_id, EngineDead("the engine stopped"))
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while command is not None:
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            command.cache_salt)
+                except ValueError as e:
+                    self._send(command.request_id, e)
+            elif isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+        self._stats = self.engine.stats()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._send(output.request_id, output)
+
+    def _send(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)

@@ -1,0 +1,108 @@
+"""Per-request block tables over the block pool, with prefix caching.
+
+A full block's identity is H(parent block hash, its token ids, cache salt), so a block can be
+shared only by requests whose whole prefix up to and including it is identical. A block is
+registered in the cache as soon as the step that fills it is scheduled: a request admitted in
+the same step can already share it, because every layer writes the step's keys and values
+before it attends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.worker.engine.block_pool import BlockPool, KVBlock
+from services.worker.engine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0   # prompt tokens looked up
+    hits: int = 0      # of which found in the cache
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[int]] = {}
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_usable_blocks
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached full blocks at the start of the request's tokens.
+
+        The last token is never served from the cache: its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hashes = self._hash_blocks(request, max_blocks)
+        found: list[KVBlock] = []
+        for i, block_hash in enumerate(hashes):
+            block = self.pool.lookup(block_hash, self._block_tokens(tokens, i))
+            if block is None:
+                break
+            found.append(block)
+        return found, len(found) * self.block_size
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] = (),
+                 num_tokens_to_cache: int | None = None) -> bool:
+        """Give the request blocks for its computed tokens, the cached prefix and num_new_tokens.
+
+        `cached` are prefix blocks from find_cached_prefix, for a request holding no blocks yet.
+        Blocks filled by tokens below num_tokens_to_cache (default: all, the caller excludes
+        unverified speculative tokens) are registered in the prefix cache.
+        Returns False, changing nothing, when the pool has too few free blocks.
+        """
+        blocks = self._blocks.get(request.request_id, [])
+        end = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        n = max(0, -(-end // self.block_size) - len(blocks) - len(cached))
+        revived = sum(1 for b in cached if b.ref_count == 0)   # cached blocks sitting in the free list
+        if n + revived > self.pool.num_free_blocks:
+            return False
+        if not blocks:   # first admission, or re-admission after preemption
+            self.stats.queries += request.num_tokens
+            self.stats.hits += len(cached) * self.block_size
+        self.pool.take(cached)
+        blocks = self._blocks.setdefault(request.request_id, [])
+        blocks.extend(cached)
+        blocks.extend(self.pool.allocate(n))
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, min(end, num_tokens_to_cache if num_tokens_to_cache is not None else end))
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self._hashes.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        blocks = self._blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(blocks))
+        hashes = self._hash_blocks(request, num_full)
+        tokens = request.all_token_ids
+        for i in range(num_full):
+            if blocks[i].block_hash is None:
+                self.pool.register(blocks[i], hashes[i], self._block_tokens(tokens, i))
+
+    def _hash_blocks(self, request: Request, num_blocks: int) -> list[int]:
+        """Chained hashes of the request's first num_blocks full blocks (memoised per request)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else hash(("root", request.cache_salt))
+            hashes.append(hash((parent, self._block_tokens(tokens, i))))
+        return hashes[:num_blocks]
+
+    def _block_tokens(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])

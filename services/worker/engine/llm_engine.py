@@ -1,0 +1,170 @@
+"""The engine: requests in, one scheduled and executed batch per step, outputs out.
+
+Single-threaded by design: the async layer (async_engine.py) owns the thread that calls it.
+A request with n > 1 becomes n sibling requests over the same prompt; the prefix cache makes
+them share the prompt's full blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.kv_cache_manager import KVCacheManager
+from services.worker.engine.model_runner import ModelRunner
+from services.worker.engine.output_processor import RequestOutput, RequestOutputState
+from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from services.worker.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineLimits:
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, limits: EngineLimits, runner: ModelRunner, tokenizer: Tokenizer,
+                 vocab_size: int, proposer=None, num_speculative_tokens: int = 0) -> None:
+        self.limits = limits
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.pool = BlockPool(limits.num_blocks)
+        self.kv = KVCacheManager(self.pool, limits.block_size, limits.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens), self.kv)
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self._requests: dict[str, list[Request]] = {}     # caller id -> its n siblings
+        self._states: dict[str, RequestOutputState] = {}  # sibling id -> output state
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request before it is queued; returns its resolved max_tokens."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        room = self.limits.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
+                             f"length is {self.limits.max_model_len}")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens "
+                             f"({params.max_tokens}) exceeds the context length ({self.limits.max_model_len})")
+        return params.max_tokens or room
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str = "") -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        siblings = []
+        for i in range(params.n):
+            r = Request(f"{request_id}#{i}" if params.n > 1 else request_id, list(prompt_token_ids), params,
+                        max_tokens, self.tokenizer.eos_token_ids, cache_salt=cache_salt, index=i,
+                        parent_id=request_id)
+            siblings.append(r)
+            self._states[r.request_id] = RequestOutputState(r, self.tokenizer)
+            self.scheduler.add(r)
+        self._requests[request_id] = siblings
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort every unfinished choice of a request; its blocks return to the pool now."""
+        outputs = []
+        for r in self._requests.pop(request_id, []):
+            state = self._states.pop(r.request_id)
+            if not r.finished:
+                self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+                outputs.append(state.abort())
+        return outputs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        results = self.runner.execute(plan.scheduled)
+        now = time.monotonic()
+        outputs = []
+        for item in plan.scheduled:
+            r = item.request
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            r.num_computed_tokens += item.num_new_tokens
+            result = results.get(r.request_id)
+            if result is None:
+                continue                       # a prefill chunk: nothing sampled yet
+            r.num_computed_tokens -= result.num_rejected
+            r.spec_proposed += item.num_spec_tokens
+            r.spec_accepted += len(result.token_ids) - 1 if item.num_spec_tokens else 0
+            r.spec_token_ids = []
+            if r.first_token_time is None:
+                r.first_token_time = now
+            output = self._states[r.request_id].process(result)
+            if r.finished:
+                self._finish(r)
+            outputs.append(output)
+        self._propose()
+        return outputs
+
+    def fail_step(self, error: Exception) -> list[RequestOutput]:
+        """After a failed forward pass: abort what was running so the engine stays usable."""
+        log.exception("engine step failed; aborting running requests", exc_info=error)
+        outputs = []
+        for r in list(self.scheduler.running):
+            outputs += self.abort_request(r.parent_id or r.request_id)
+        return outputs
+
+    def _finish(self, r: Request) -> None:
+        self.scheduler.finish(r, r.status)
+        siblings = self._requests.get(r.parent_id, [])
+        if all(s.finished for s in siblings):
+            self._requests.pop(r.parent_id, None)
+            for s in siblings:
+                self._states.pop(s.request_id, None)
+
+    def _propose(self) -> None:
+        """Draft tokens for decoding requests, to be verified in the next step."""
+        if self.proposer is None:
+            return
+        for r in self.scheduler.running:
+            k = r.params.num_speculative_tokens
+            k = self.num_speculative_tokens if k is None else k
+            k = min(k, r.max_tokens - r.num_output_tokens - 1, self.limits.max_model_len - r.num_tokens - 1)
+            if k > 0 and r.num_computed_tokens == r.num_tokens - 1:
+                r.spec_token_ids = self.proposer.propose(r.all_token_ids, k)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.pool.num_used_blocks, kv_blocks_total=self.pool.num_usable_blocks,
+            prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions)

@@ -1,0 +1,81 @@
+"""A request's state inside the engine: its tokens, progress through them and its lifecycle.
+
+Invariant: all_token_ids = prompt + output; num_computed_tokens of them already have keys and
+values in the cache. A step schedules tokens num_computed_tokens..num_tokens-1 (plus any
+speculative draft tokens); when the step reaches the last known token it samples a new one.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"       # back in the waiting queue, its cache freed, to be recomputed
+    FINISHED_STOPPED = "stop"     # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"    # max_tokens or the context length
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                         # resolved: never runs past the context length
+    eos_token_ids: list[int]
+    cache_salt: str = ""
+    index: int = 0                          # choice index among the n siblings
+    parent_id: str = ""                     # the caller's request id (siblings share it)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1             # prompt tokens found in the prefix cache at first schedule
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: str | int | None = None    # the stop string or token that finished it
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished

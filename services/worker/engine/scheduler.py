@@ -1,0 +1,122 @@
+"""Continuous batching under a token budget (vLLM v1 style), with preemption by recompute.
+
+Every step re-forms the batch. Running requests are served first, in admission order: each
+is granted the tokens it still lacks (1 for a decode, 1 + k while verifying k speculative
+tokens, the rest of its prompt, chunked, while prefilling). Waiting requests are admitted
+after them, first come first served, while the budget, the free blocks and the running cap
+allow; the head of the queue is never skipped, so nobody starves. When a running request
+cannot get a block, the most recently admitted request is preempted: its blocks are freed
+and it goes back to the head of the queue, to be recomputed (its finished prefix blocks stay
+findable in the prefix cache, so recompute is often cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.worker.engine.kv_cache_manager import KVCacheManager
+from services.worker.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int          # tokens computed this step, from request.num_computed_tokens
+    num_spec_tokens: int         # the last num_spec_tokens of them are unverified drafts
+    block_ids: list[int]
+    start_position: int = 0      # request.num_computed_tokens when scheduled
+    samples: bool = False        # the step reaches the last known token, so a new one is sampled
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.start_position = r.num_computed_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens >= r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_spec = len(request.spec_token_ids) if request.num_computed_tokens == request.num_tokens - 1 else 0
+            num_new = min(request.num_tokens + num_spec - request.num_computed_tokens, budget)
+            num_spec = max(0, min(num_spec, num_new - 1))
+            while not self.kv.allocate(request, num_new, num_tokens_to_cache=request.num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new, num_spec, self.kv.block_ids(request.request_id)))
+                budget -= num_new
+                i += 1
+                continue
+            break
+        if out.preempted:
+            return out   # the pool is full: admitting now would only preempt again
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached, num_cached = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, 0, self.kv.block_ids(request.request_id)))
+            budget -= num_new
+        return out
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from the queues and return its blocks (finish or abort)."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
