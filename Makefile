@@ -30,8 +30,12 @@ test: install
 test-soak: install
 	$(PYTHON) -m pytest -q -m slow tests
 
+# The whole platform on loopback: conversations, two SmolLM2 worker pools, router, gateway.
 run: install
-	$(PYTHON) -m services.worker
+	$(PYTHON) deploy/local/run.py
+
+sizing: install
+	$(PYTHON) -m services.worker.sizing
 
 bench-engine: install
 	$(PYTHON) -m bench.engine
@@ -39,8 +43,22 @@ bench-engine: install
 bench-spec: install
 	$(PYTHON) -m bench.spec
 
+# On a GPU machine (python3 with torch and triton is enough): bash bench/gpu/run.sh
 bench-gpu:
-	bash bench/gpu/run.sh
+	PYTHON=$(if $(wildcard $(PYTHON)),$(PYTHON),python3) bash bench/gpu/run.sh
+
+bench-router: install
+	$(PYTHON) -m bench.router
+
+bench-gateway: install
+	$(PYTHON) -m bench.gateway
+
+bench-load: install
+	$(PYTHON) -m bench.load
+
+# Regenerates each Helm chart's values.schema.json from its values.yaml.
+schemas: install
+	$(PYTHON) deploy/k8s/values_schema.py
 
 clean:
 	rm -rf $(VENV) libs/llmserve/v1 .pytest_cache

@@ -46,6 +46,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     unknown = set(data) - set(fields)
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown keys {sorted(unknown)}")
+    missing = [f.name for f in fields.values() if f.init and f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where or cls.__name__}: missing required keys {missing}")
     kwargs = {name: _coerce(hints[name], value, f"{where}.{name}".lstrip("."))
               for name, value in data.items()}
     return cls(**kwargs)

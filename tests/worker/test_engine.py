@@ -211,7 +211,7 @@ def test_stop_token_ids_and_max_tokens(smollm2, tokenizer):
 
 
 def test_min_tokens_suppresses_eos(smollm2, tokenizer):
-    ids = chat_ids(tokenizer, CHAT_PROMPTS[5])
+    ids = chat_ids(tokenizer, CHAT_PROMPTS[0])
     engine = make_engine(smollm2)
     natural = run(engine, {"a": (ids, greedy(64))})["a"]
     assert natural.finish == "stop"

@@ -46,6 +46,10 @@ class TorchPagedAttention:
         values = value_cache[tables].flatten(1, 2)
         length = torch.tensor(lens, device=query.device)
         mask = torch.arange(keys.shape[1], device=query.device)[None, :] < length[:, None]
+        # Slots past a sequence's length hold whatever the pool left there, NaN included, and a
+        # masked score still multiplies its value (0 * NaN = NaN): zero them.
+        keys = keys.masked_fill(~mask[:, :, None, None], 0)
+        values = values.masked_fill(~mask[:, :, None, None], 0)
         q = query.unsqueeze(2)                                            # [B, H, 1, D]
         k = keys.transpose(1, 2)                                          # [B, Hkv, L, D]
         v = values.transpose(1, 2)

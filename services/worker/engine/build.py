@@ -12,8 +12,8 @@ from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.engine.llm_engine import EngineLimits, LLMEngine
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
-from services.worker.model.config import ModelConfig
 from services.worker.model.loader import LoadedModel, load_model
+from services.worker.sizing import kv_bytes_per_token, kv_cache_report
 from services.worker.spec.ngram import NgramProposer
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,6 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
-
-
 def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
                  loaded: LoadedModel | None = None) -> BuiltEngine:
     if engine_cfg.num_threads:
@@ -56,13 +51,11 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
     if loaded is None:
         loaded = load_model(model_cfg.source, dtype, device, attention, seed=model_cfg.seed)
     cfg = loaded.config
-    per_block = kv_bytes_per_block(cfg, engine_cfg.block_size, dtype)
+    per_block = kv_bytes_per_token(cfg, model_cfg.dtype) * engine_cfg.block_size
     num_blocks = engine_cfg.num_blocks or int(engine_cfg.kv_cache_memory_gb * 2**30 // per_block)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_context_length, cfg.max_context_length,
                         (num_blocks - 1) * engine_cfg.block_size)
-    log.info("KV cache: %d blocks of %d tokens, %.1f KiB per token, %.2f GiB; max_model_len %d",
-             num_blocks, engine_cfg.block_size, per_block / engine_cfg.block_size / 1024,
-             num_blocks * per_block / 2**30, max_model_len)
+    log.info(kv_cache_report(cfg, num_blocks, engine_cfg.block_size, model_cfg.dtype, max_model_len=max_model_len))
     runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
                          engine_cfg.block_size, dtype, device, Sampler())
     limits = EngineLimits(max_model_len=max_model_len, block_size=engine_cfg.block_size, num_blocks=num_blocks,

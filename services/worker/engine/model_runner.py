@@ -110,7 +110,8 @@ class ModelRunner:
         if r.params.greedy:
             accepted = verify_greedy(drafts, self.sampler.sample(logits, rows).token_ids)
         else:
-            accepted = rejection_sample(drafts, None, self.sampler.probs(logits, rows), r.generator)
+            accepted = rejection_sample(drafts, None, self.sampler.probs(logits, rows),
+                                        r.generator or self.sampler.generator)
         result = StepResult(accepted, num_rejected=len(drafts) + 1 - len(accepted))
         if r.params.logprobs:
             logprobs = torch.log_softmax(logits[:len(accepted)].float(), dim=-1)
@@ -126,4 +127,4 @@ def _sampling_row(request, extra_output: list[int] = ()) -> SamplingRow:
     output = request.output_token_ids + list(extra_output) if extra_output else request.output_token_ids
     return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
                        output_token_ids=output, generator=request.generator,
-                       eos_token_ids=request.eos_token_ids)
+                       eos_token_ids=() if request.params.ignore_eos else request.eos_token_ids)

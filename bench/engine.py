@@ -1,0 +1,303 @@
+"""make bench-engine: our engine against Hugging Face transformers on this machine, in one run.
+
+1. Mixed workload: 48 requests arriving together, prompts of 20-600 tokens, outputs of 16-256,
+   through our engine (continuous batching) and through transformers' generate in static
+   batches of 8 on the same prompts and lengths. Output tokens/s of both and the ratio; TTFT and
+   inter-token latency percentiles of ours.
+2. Batch-1 decode tokens/s against the floor set by the model's bytes over the measured memory
+   bandwidth.
+3. 16 concurrent chat streams through a real worker process over gRPC (and through
+   llama-cpp-python's OpenAI server on the same GGUF when that package is installed).
+4. The product card's simulation: static against continuous batching on one length
+   distribution, saved as docs/perf/batching.png.
+
+Usage: python -m bench.engine [--quick] [--skip-hf] [--skip-grpc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.worker.config import EngineConfig, ModelSourceConfig
+from services.worker.engine.build import build_engine
+from services.worker.engine.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+# Prompts are cut from this text at random offsets: real words, so tokenization is realistic.
+CORPUS = (
+    "Serving a language model well is mostly about memory. Every request keeps keys and values for each "
+    "token it has seen, in every layer, and decode reads all of them for every new token. Paging that "
+    "memory in fixed blocks lets many requests share one pool without fragmentation, and batching their "
+    "decode steps reads the weights once for all of them. A scheduler grants each running request the "
+    "tokens it lacks, admits waiting ones while there is room, and preempts the newest when blocks run out. "
+) * 80
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length) pairs: prompts 20-600 tokens, outputs 16-256."""
+    rng = random.Random(seed)
+    corpus = tokenizer.encode(CORPUS)
+    out = []
+    for _ in range(n):
+        plen, olen = rng.randint(20, 600), rng.randint(16, 256)
+        start = rng.randint(0, len(corpus) - plen - 1)
+        out.append((corpus[start:start + plen], olen))
+    return out
+
+
+def run_ours(engine, requests) -> dict:
+    t0 = time.perf_counter()
+    first, last, gaps, produced = {}, {}, [], 0
+    for i, (ids, olen) in enumerate(requests):
+        engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True))
+    while engine.has_work():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            if not o.token_ids:
+                continue
+            produced += len(o.token_ids)
+            if o.request_id not in first:
+                first[o.request_id] = now - t0
+            else:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+    elapsed = time.perf_counter() - t0
+    ttft = list(first.values())
+    return dict(tokens=produced, seconds=elapsed, tps=produced / elapsed, ttft_p50=percentile(ttft, 50),
+                ttft_p95=percentile(ttft, 95), itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
+
+
+def run_transformers(hf_model, requests, batch_size: int = 8, pad_id: int = 2) -> dict:
+    """Static batches: each batch runs until its longest output is done (left-padded prompts)."""
+    useful = sum(olen for _, olen in requests)
+    t0 = time.perf_counter()
+    for b in range(0, len(requests), batch_size):
+        batch = requests[b:b + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (ids, _) in enumerate(batch):
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            mask[i, width - len(ids):] = 1
+        longest = max(olen for _, olen in batch)
+        with torch.no_grad():
+            hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                              do_sample=False, pad_token_id=pad_id)
+    elapsed = time.perf_counter() - t0
+    return dict(tokens=useful, seconds=elapsed, tps=useful / elapsed)
+
+
+def memory_bandwidth_gbs() -> float:
+    """Read+write bytes per second of a large tensor copy (the decode floor's denominator)."""
+    src = torch.empty(64 * 2**20, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def batch1_decode(engine, tokenizer, tokens: int = 128) -> float:
+    ids = tokenizer.encode("Write a long story about a lighthouse keeper.")
+    engine.add_request("b1", ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    engine.step()                                     # prefill + first token
+    t0, produced = time.perf_counter(), 0
+    while engine.has_work():
+        produced += sum(len(o.token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - t0)
+
+
+async def grpc_streams(address: str, model: str, n: int, max_tokens: int) -> dict:
+    import grpc
+
+    from llmserve.v1 import worker_pb2 as pb
+    from llmserve.v1 import worker_pb2_grpc
+
+    topics = ["the ocean", "mountains", "a city at night", "bread", "trains", "the moon", "gardens", "rain"]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.GenerationStub(channel)
+
+        async def one(i: int):
+            t0 = time.perf_counter()
+            ttft, tokens = None, 0
+            request = pb.GenerateRequest(model=model, chat=pb.ChatPrompt(messages=[pb.ChatMessage(
+                role="user", content=f"Write a paragraph about {topics[i % len(topics)]}.")]),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            async for r in stub.Generate(request):
+                if r.token_ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                tokens += len(r.token_ids)
+            return ttft, tokens
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+        elapsed = time.perf_counter() - t0
+    ttfts = [r[0] for r in results]
+    total = sum(r[1] for r in results)
+    return dict(tps=total / elapsed, ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95), seconds=elapsed)
+
+
+def llama_cpp_peer(gguf: str, n: int, max_tokens: int) -> dict | None:
+    """llama-cpp-python's OpenAI server on the same GGUF, if installed (an optional peer)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    import subprocess
+
+    import openai
+
+    from tests.procs import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
+                             "--n_ctx", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                asyncio.run(client.models.list())
+                break
+            except Exception:
+                time.sleep(1)
+
+        async def run_all():
+            async def one(i):
+                t0, ttft, tokens = time.perf_counter(), None, 0
+                stream = await client.chat.completions.create(
+                    model="x", messages=[{"role": "user", "content": f"Write a paragraph about topic {i}."}],
+                    max_tokens=max_tokens, stream=True, temperature=0)
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        ttft = ttft or time.perf_counter() - t0
+                        tokens += 1
+                return ttft or 0.0, tokens
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(one(i) for i in range(n)))
+            return res, time.perf_counter() - t0
+
+        res, elapsed = asyncio.run(run_all())
+        return dict(tps=sum(r[1] for r in res) / elapsed, ttft_p95=percentile([r[0] for r in res], 95))
+    finally:
+        proc.kill()
+
+
+def batching_simulation(out_png: Path, seed: int = 0) -> dict:
+    """Static vs continuous batching on one output-length distribution, in decode steps."""
+    rng = random.Random(seed)
+    lengths = [max(1, int(rng.expovariate(1 / 120))) for _ in range(512)]
+    batch = 16
+    static_steps = sum(max(lengths[i:i + batch]) for i in range(0, len(lengths), batch))
+    # Continuous: a slot is refilled the step its request finishes.
+    slots, queue, steps, busy = [0] * batch, list(lengths), 0, 0
+    while queue or any(slots):
+        for i in range(batch):
+            if slots[i] == 0 and queue:
+                slots[i] = queue.pop(0)
+        busy += sum(1 for s in slots if s)
+        slots = [max(0, s - 1) for s in slots]
+        steps += 1
+    useful = sum(lengths)
+    result = dict(static_steps=static_steps, continuous_steps=steps, static_util=useful / (static_steps * batch),
+                  continuous_util=useful / (steps * batch))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        axes[0].hist(lengths, bins=40, color="#4c72b0")
+        axes[0].set_title("output lengths (tokens)")
+        axes[1].bar(["static", "continuous"], [result["static_util"] * 100, result["continuous_util"] * 100],
+                    color=["#dd8452", "#55a868"])
+        axes[1].set_ylabel("batch slots doing useful work (%)")
+        axes[1].set_title(f"batch {batch}: {static_steps} vs {steps} decode steps")
+        fig.tight_layout()
+        out_png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_png, dpi=100)
+    except ImportError:
+        pass
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-grpc", action="store_true")
+    parser.add_argument("--requests", type=int, default=48)
+    args = parser.parse_args()
+    n = 8 if args.quick else args.requests
+
+    built = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=2048, max_num_batched_tokens=1024,
+                                                            max_num_seqs=64))
+    engine, tokenizer = built.engine, built.loaded.tokenizer
+    requests = workload(tokenizer, n)
+    if args.quick:
+        requests = [(ids[:60], min(olen, 24)) for ids, olen in requests]
+    print(f"# bench-engine  {time.strftime('%Y-%m-%d %H:%M')}  torch threads {torch.get_num_threads()}")
+    ours = run_ours(engine, requests)
+    print(f"ours          {ours['tokens']} tokens in {ours['seconds']:.1f}s = {ours['tps']:.1f} tok/s  "
+          f"TTFT p50 {ours['ttft_p50']:.2f}s p95 {ours['ttft_p95']:.2f}s  ITL p50 {ours['itl_p50']*1e3:.0f}ms "
+          f"p95 {ours['itl_p95']*1e3:.0f}ms")
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        from services.worker.model.gguf_loader import smollm2_gguf_path
+        path = smollm2_gguf_path()
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+        theirs = run_transformers(hf, requests)
+        print(f"transformers  {theirs['tokens']} tokens in {theirs['seconds']:.1f}s = {theirs['tps']:.1f} tok/s "
+              f"(static batches of 8)")
+        print(f"ratio         {ours['tps'] / theirs['tps']:.2f}x  (target >= 3x)")
+        del hf
+    bw = memory_bandwidth_gbs()
+    weight_bytes = sum(p.numel() * p.element_size() for p in built.loaded.model.parameters())
+    floor_ms = weight_bytes / (bw * 1e9) * 1e3
+    b1 = batch1_decode(engine, tokenizer, 32 if args.quick else 128)
+    print(f"batch-1       {b1:.1f} tok/s ({1e3 / b1:.1f} ms/token); floor {floor_ms:.1f} ms/token = "
+          f"{1e3 / floor_ms:.0f} tok/s ({weight_bytes / 2**20:.0f} MiB at {bw:.1f} GB/s); "
+          f"{floor_ms / (1e3 / b1) * 100:.0f}% of the floor (target >= 50 tok/s)")
+    del engine, built
+    if not args.skip_grpc:
+        from tests.procs import worker
+        streams, max_tokens = (4, 16) if args.quick else (16, 128)
+        with tempfile.TemporaryDirectory() as tmp, worker(Path(tmp), engine__num_blocks="2048",
+                                                          engine__num_threads="0") as w:
+            g = asyncio.run(grpc_streams(w.address, "smollm2-135m-instruct", streams, max_tokens))
+        print(f"gRPC worker   {streams} streams x {max_tokens} tokens: {g['tps']:.1f} tok/s aggregate, "
+              f"TTFT p50 {g['ttft_p50']:.2f}s p95 {g['ttft_p95']:.2f}s (target p95 < 3s)")
+        from services.worker.model.gguf_loader import smollm2_gguf_path
+        peer = llama_cpp_peer(str(smollm2_gguf_path()), streams, max_tokens)
+        if peer is None:
+            print("llama-cpp     not installed (optional peer: pip install llama-cpp-python, ~9 min build)")
+        else:
+            print(f"llama-cpp     {peer['tps']:.1f} tok/s aggregate, TTFT p95 {peer['ttft_p95']:.2f}s; "
+                  f"ratio {g['tps'] / peer['tps']:.2f}x (target >= 2x)")
+    sim = batching_simulation(REPO / "docs" / "perf" / "batching.png")
+    print(f"simulation    static {sim['static_steps']} steps ({sim['static_util']*100:.0f}% slots useful) vs "
+          f"continuous {sim['continuous_steps']} ({sim['continuous_util']*100:.0f}%); plot docs/perf/batching.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Every Triton kernel against its PyTorch reference on this machine's GPU, at the shapes the
+engine runs (Llama-3-8B and SmolLM2 attention, each dtype), before any timing is trusted.
+
+The CPU test suite runs the same kernels under the Triton interpreter, which cannot catch what
+only a GPU build gets wrong (layouts, tl.dot lowering, bf16 tensor-core math); this can.
+Exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from bench.gpu import harness
+
+# (name, num_heads, num_kv_heads, head_dim, block_size, dtype)
+SHAPES = [("llama3-8b", 32, 8, 128, 16, torch.bfloat16), ("smollm2", 9, 3, 64, 32, torch.float16),
+          ("gqa1-fp32", 4, 4, 64, 16, torch.float32)]
+SMOKE_SHAPES = [("smollm2", 9, 3, 64, 32, torch.bfloat16)]
+# (cached, new) per sequence: decode, prefill, chunked prefill, verification, long prefill.
+MIXED = [(37, 1), (0, 17), (20, 13), (50, 1), (40, 4), (1000, 1), (300, 200)]
+LONG_DECODE = [(5000, 1), (77, 1), (0, 1)]
+SMOKE_MIXED = [(37, 1), (0, 17), (20, 13), (40, 4)]
+SMOKE_LONG_DECODE = [(600, 1), (9, 1)]
+# Elementwise kernels round once from fp32, like their references; bf16 allows two units in the
+# last place, since the interpreter (--smoke) truncates where a GPU rounds to nearest.
+ONE_ROUNDING = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = harness.parse_args(__doc__.splitlines()[0], argv)
+    device = harness.select_device(args.smoke)
+    from services.worker.attention.triton.backend import TritonPagedAttention
+    from services.worker.attention.triton.paged_attention import paged_attention
+    from tests.worker.paged_batches import TOLERANCE, make_batch, reference_attention
+
+    # On the CPU, pretend to have 8 multiprocessors so that the split-KV path runs too.
+    backend = TritonPagedAttention(num_sms=None if device.type == "cuda" else 8)
+    mixed, long_decode = (SMOKE_MIXED, SMOKE_LONG_DECODE) if args.smoke else (MIXED, LONG_DECODE)
+    rows = []
+
+    def record(check: str, shape: str, dtype: torch.dtype, got: torch.Tensor,
+               expected: torch.Tensor, tol: float) -> None:
+        """Passes when every element is within tol * (1 + |expected|), as torch.testing does."""
+        diff = (got.float() - expected.float()).abs()
+        worst = (diff / (tol * (1 + expected.float().abs()) + 1e-30)).max().item()
+        ok = not torch.isnan(got).any().item() and worst <= 1
+        rows.append([check, shape, str(dtype).removeprefix("torch."), f"{diff.max().item():.2e}",
+                     f"{tol:.0e}", f"{worst:.2f}", "PASS" if ok else "FAIL"])
+
+    for name, heads, kv_heads, head_dim, block_size, dtype in SMOKE_SHAPES if args.smoke else SHAPES:
+        scale = head_dim ** -0.5
+        tol = TOLERANCE[dtype]["atol"]
+        for label, seqs in (("mixed batch", mixed), ("long decode", long_decode)):
+            batch = make_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                               block_size=block_size, dtype=dtype, shared_blocks=1).to(device)
+            meta = batch.meta
+            expected = reference_attention(batch, scale)
+            splits = backend.num_splits(meta, kv_heads, device)
+            path = f"split-KV x{splits}" if splits > 1 else "unified"
+            got = backend.attend(batch.query, batch.key_cache, batch.value_cache, meta, scale)
+            record(f"attention, {label}, backend ({path})", name, dtype, got, expected, tol)
+            if splits > 1:
+                got = paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                      meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      meta.max_query_len, scale)
+                record(f"attention, {label}, unified", name, dtype, got, expected, tol)
+        check_elementwise(name, heads, kv_heads, head_dim, dtype, device, record)
+
+    harness.report("gpu_correctness.md", f"# Triton kernels against PyTorch on "
+                   f"{harness.device_name(device)}\n\n"
+                   + harness.markdown_table(["check", "shape", "dtype", "max abs err", "tol",
+                                             "worst err / (tol (1 + abs ref))", "result"], rows))
+    harness.check_imports()
+    return 0 if all(row[-1] == "PASS" for row in rows) else 1
+
+
+def check_elementwise(name, heads, kv_heads, head_dim, dtype, device, record) -> None:
+    """write_kv, RMSNorm (+ residual), rotary and SiLU-and-multiply at the model's sizes."""
+    from services.worker.attention.torch_paged import TorchPagedAttention
+    from services.worker.attention.triton.rms_norm import (
+        add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference)
+    from services.worker.attention.triton.rotary import apply_rotary, apply_rotary_reference
+    from services.worker.attention.triton.silu_mul import silu_and_mul, silu_and_mul_reference
+    from services.worker.attention.triton.write_kv import write_kv
+
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(device)  # noqa: E731
+    tol = ONE_ROUNDING[dtype]
+    tokens, hidden = 37, heads * head_dim
+
+    qkv = rand(tokens, heads + 2 * kv_heads, head_dim)
+    key, value = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    slots = torch.randperm(64 * 16, generator=gen)[:tokens].to(device)
+    caches = [torch.zeros(64, 16, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(4)]
+    write_kv(key, value, caches[0], caches[1], slots)
+    TorchPagedAttention().write_kv(key, value, caches[2], caches[3], slots)
+    record("write_kv (exact)", name, dtype, torch.cat(caches[:2]), torch.cat(caches[2:]), 0.0)
+
+    x, residual, weight = rand(tokens, hidden), rand(tokens, hidden), rand(hidden)
+    record("rms_norm", name, dtype, rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5),
+           tol)
+    got, expected = add_rms_norm(x, residual, weight, 1e-5), add_rms_norm_reference(x, residual,
+                                                                                      weight, 1e-5)
+    record("add_rms_norm", name, dtype, torch.cat(got), torch.cat(expected), tol)
+
+    angles = torch.outer(torch.arange(4096.0), 500000.0 ** (-torch.arange(0, head_dim, 2) / head_dim))
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(device)
+    qk = qkv[:, :heads + kv_heads]
+    record("rotary (q and k, strided)", name, dtype, apply_rotary(qk, positions, cos, sin),
+           apply_rotary_reference(qk, positions, cos, sin), tol)
+    gate_up = rand(tokens, 2 * 4 * hidden)
+    record("silu_and_mul", name, dtype, silu_and_mul(gate_up), silu_and_mul_reference(gate_up), tol)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

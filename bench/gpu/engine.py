@@ -1,0 +1,161 @@
+"""The engine on the GPU at a real size: seeded random weights of the Llama-3-8B shape in bf16,
+Triton attention, against transformers' generate on the same GPU, shape and workload.
+
+Reports, in one run:
+- batch-1 decode memory-bandwidth utilisation: (weight bytes + KV bytes read) per step over step
+  time, against the device copy bandwidth measured in the same run (target >= 80%);
+- the product card's workload: 256 requests of 1,000 prompt tokens and 300 output tokens at once:
+  output tokens/s (target >= 15,000 on one H200), tokens/s per stream (target >= 20), and the TTFT
+  p95 of short prompts arriving while that load runs (target < 1 s);
+- transformers' generate on the same workload in static batches, as the peer.
+
+--smoke runs a tiny random model on whatever device there is, to prove the script works.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from bench.gpu.harness import copy_bandwidth, device_name, markdown_table, parse_args, report, select_device
+from services.worker.config import EngineConfig, ModelSourceConfig
+
+TARGETS = {"bw_util": 0.80, "tps": 15000, "per_stream": 20, "ttft_p95": 1.0}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def percentile(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))] if values else float("nan")
+
+
+def decode_batch1(engine, device, prompt_len: int, steps: int) -> tuple[float, int]:
+    from services.worker.engine.sampling_params import SamplingParams
+    engine.add_request("b1", list(range(100, 100 + prompt_len)),
+                       SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(8):      # prefill and warm-up decodes
+        engine.step()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    per_step = (time.perf_counter() - t) / steps
+    engine.abort_request("b1")
+    return per_step, prompt_len + 8 + steps // 2
+
+
+def product_workload(engine, device, n: int, prompt_len: int, out_len: int, n_short: int) -> dict:
+    """n long requests at once; n_short short prompts arrive once decoding is under way."""
+    from services.worker.engine.sampling_params import SamplingParams
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    t0 = time.perf_counter()
+    for i in range(n):
+        ids = torch.randint(10, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"long{i}", ids, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+    arrival, first, last, gaps, produced, steps = {}, {}, {}, [], 0, 0
+    while engine.has_work():
+        if steps == min(40, out_len // 2) and n_short:
+            for j in range(n_short):
+                ids = torch.randint(10, vocab, (32,), generator=gen).tolist()
+                engine.add_request(f"short{j}", ids, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                arrival[f"short{j}"] = time.perf_counter()
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for o in outputs:
+            if not o.token_ids:
+                continue
+            produced += len(o.token_ids)
+            if o.request_id not in first:
+                first[o.request_id] = now
+            else:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+    elapsed = time.perf_counter() - t0
+    short_ttft = [first[k] - arrival[k] for k in arrival]
+    return dict(tps=produced / elapsed, seconds=elapsed, itl_p50=percentile(gaps, 50),
+                ttft_short_p95=percentile(short_ttft, 95), steps=steps)
+
+
+def transformers_peer(cfg, device, n: int, prompt_len: int, out_len: int, batch: int) -> dict | None:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_context_length,
+                         tie_word_embeddings=cfg.tie_word_embeddings)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).to(dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    for start in range(0, n, batch):
+        size = min(batch, n - start)
+        ids = torch.randint(10, cfg.vocab_size, (size, prompt_len), generator=gen).to(device)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                           min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(tps=n * out_len / elapsed, seconds=elapsed)
+
+
+def main(argv=None) -> int:
+    args = parse_args(__doc__, argv)
+    device = select_device(args.smoke)
+    from services.worker.engine.build import build_engine
+    if args.smoke:
+        shape, dtype, n, prompt_len, out_len, n_short, kv_gb, hf_batch = "tiny", "float32", 4, 48, 8, 2, 0.05, 4
+    else:
+        shape, dtype, n, prompt_len, out_len, n_short, kv_gb, hf_batch = "llama-3-8b", "bfloat16", 256, 1000, 300, 32, 60, 64
+    backend = "triton" if device.type == "cuda" else "torch"
+    built = build_engine(ModelSourceConfig(source=f"random:{shape}", dtype=dtype, device=device.type),
+                         EngineConfig(attention_backend=backend, kv_cache_memory_gb=kv_gb, max_num_seqs=n + n_short,
+                                      max_num_batched_tokens=8192 if not args.smoke else 256))
+    engine, cfg = built.engine, built.loaded.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in built.loaded.model.parameters())
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * built.dtype.itemsize
+    bw = copy_bandwidth(device, (64 if args.smoke else 4096) * 2**20)
+
+    per_step, context = decode_batch1(engine, device, 64 if args.smoke else 1024, 16 if args.smoke else 128)
+    step_bytes = weight_bytes + kv_per_token * context
+    util = step_bytes / per_step / bw
+    load = product_workload(engine, device, n, prompt_len, out_len, n_short)
+    peer = transformers_peer(cfg, device, n, prompt_len, out_len, hf_batch)
+
+    rows = [
+        ("batch-1 decode step", f"{per_step * 1e3:.2f} ms ({1 / per_step:.0f} tok/s)", ""),
+        ("batch-1 bytes per step (weights + KV)", f"{step_bytes / 2**30:.2f} GiB", ""),
+        ("batch-1 memory-bandwidth utilisation", f"{util * 100:.0f}%", f">= {TARGETS['bw_util'] * 100:.0f}%"),
+        (f"{n} x ({prompt_len} in, {out_len} out): output tokens/s", f"{load['tps']:.0f}", f">= {TARGETS['tps']}"),
+        ("tokens/s per stream (1 / ITL p50)", f"{1 / load['itl_p50']:.1f}", f">= {TARGETS['per_stream']}"),
+        (f"TTFT p95, {n_short} short prompts under that load", f"{load['ttft_short_p95']:.3f} s",
+         f"< {TARGETS['ttft_p95']} s"),
+    ]
+    if peer is None:
+        rows.append(("transformers generate", "not installed", ""))
+    else:
+        rows.append((f"transformers generate (static batches of {hf_batch})", f"{peer['tps']:.0f} tok/s", ""))
+        rows.append(("ratio ours / transformers", f"{load['tps'] / peer['tps']:.2f}x", ""))
+    header = (f"# Engine on {device_name(device)}: random:{shape} {dtype}, {backend} attention\n\n"
+              f"{time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s\n\n")
+    report("gpu_engine.md", header + markdown_table(("measure", "value", "target"), rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

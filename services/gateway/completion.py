@@ -1,0 +1,148 @@
+"""One chat completion's output: upstream GenerateResponse messages in, OpenAI choices out.
+
+Each choice's text passes through the safety output guard, which may hold back a little text (so a
+match split across messages is caught) and may end the choice with finish_reason content_filter.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserve.v1 import worker_pb2
+from services.gateway.errors import ApiError
+
+FINISH_REASONS = {worker_pb2.FINISH_REASON_STOP: "stop", worker_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_urlsafe(18)
+
+
+def logprob_entry(lp: worker_pb2.TokenLogprob) -> dict[str, Any]:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.bytes),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
+                             for t in lp.top_logprobs]}
+
+
+@dataclass
+class Delta:
+    """What one choice gained from one upstream message."""
+    index: int
+    text: str
+    logprobs: list[dict[str, Any]] | None
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    index: int
+    guard: Any                                   # the safety policy's output guard
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    tokens: int = 0
+
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+    def close(self, reason: str) -> str:
+        """Ends the choice, releasing the guard's held-back tail (unless that tail is blocked)."""
+        tail = self.guard.finish()
+        self.text.append(tail)
+        self.finish_reason = "content_filter" if self.guard.blocked else reason
+        return tail
+
+
+class Completion:
+    def __init__(self, model: str, n: int, guards: list[Any], logprobs: bool, prompt_tokens_estimate: int):
+        self.id = new_completion_id()
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+        self.choices = [Choice(i, guards[i]) for i in range(n)]
+        self.prompt_tokens = prompt_tokens_estimate  # replaced by the upstream count when it arrives
+        self.cached_tokens = 0
+        self.upstream_usage = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c.finish_reason or "incomplete" for c in self.choices]
+
+    def accept(self, msg: worker_pb2.GenerateResponse) -> Delta | None:
+        """Applies one upstream message; returns the delta to send, if any."""
+        if msg.HasField("usage"):
+            self.prompt_tokens = msg.usage.prompt_tokens
+            self.cached_tokens = msg.usage.cached_prompt_tokens
+            self.upstream_usage = True
+        if msg.index >= len(self.choices):
+            raise ApiError(502, f"upstream sent choice {msg.index} of {len(self.choices)}", type="server_error",
+                           code="upstream_error")
+        choice = self.choices[msg.index]
+        if choice.finish_reason:                 # stopped by the safety guard; the rest is dropped
+            return None
+        choice.tokens += len(msg.token_ids)
+        if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT:
+            raise ApiError(503, "the generation was aborted upstream", code="upstream_aborted",
+                           headers={"Retry-After": "1"})
+        emit, blocked = choice.guard.feed(msg.text) if msg.text else ("", None)
+        choice.text.append(emit)
+        if blocked is not None:
+            choice.finish_reason = "content_filter"
+        elif msg.finish_reason:
+            emit += choice.close(FINISH_REASONS.get(msg.finish_reason, "stop"))
+        logprobs = [logprob_entry(lp) for lp in msg.logprobs] if self.logprobs else None
+        if logprobs:
+            choice.logprobs.extend(logprobs)
+        if not emit and not choice.finish_reason and not logprobs:
+            return None
+        return Delta(choice.index, emit, logprobs, choice.finish_reason)
+
+    def close_unfinished(self) -> list[Delta]:
+        """Choices the stream ended without a finish reason: release their held-back text."""
+        return [Delta(c.index, c.close("stop"), None, c.finish_reason) for c in self.choices if not c.finish_reason]
+
+    def usage(self) -> dict[str, Any]:
+        completion = self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return body
+
+    @staticmethod
+    def chunk_choice(delta: Delta) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                                "logprobs": None, "finish_reason": delta.finish_reason}
+        if delta.logprobs is not None:
+            body["logprobs"] = {"content": delta.logprobs}
+        return body
+
+    def role_choices(self) -> list[dict[str, Any]]:
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in self.choices]
+
+    def response(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "system_fingerprint": None,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.content,
+                                                           "refusal": None},
+                             "logprobs": {"content": c.logprobs} if self.logprobs else None,
+                             "finish_reason": c.finish_reason} for c in self.choices],
+                "usage": self.usage()}

@@ -1,0 +1,119 @@
+"""Gateway configuration: YAML file plus LLMSERVE_GATEWAY__SECTION__KEY environment overrides.
+
+The defaults are the embedded, laptop values: loopback listener, the router on :50050, the
+conversations service on :50060, SQLite under ./var/ and the in-process rate limiter.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+from llmserve.config import ConfigError
+from services.gateway.ratelimit.base import RateLimitConfig
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    tls_cert_file: str = ""           # PEM; with tls_key_file turns on HTTPS
+    tls_key_file: str = ""
+    plain_http: bool = False          # serving without TLS must be asked for explicitly
+    max_body_bytes: int = 1 << 20     # larger request bodies get 413
+    shutdown_timeout_s: float = 10.0
+
+
+@dataclass
+class UpstreamConfig:
+    address: str = "127.0.0.1:50050" # the router (or one worker: same Generation contract)
+    models_cache_ttl_s: float = 10.0  # ListModels answers are reused this long
+    unary_timeout_s: float = 5.0      # ListModels, Tokenize, ListWorkers
+    keepalive_interval_s: float = 5.0 # SSE `: keep-alive` comment while no token arrives
+
+
+@dataclass
+class ConversationsConfig:
+    address: str = "127.0.0.1:50060"
+    timeout_s: float = 5.0
+    min_reply_tokens: int = 256       # room kept for the reply when trimming history
+
+
+@dataclass
+class DatabaseConfig:
+    # sqlite:///relative/path.db, sqlite:////absolute/path.db or postgresql://user@host:port/db
+    url: str = "sqlite:///var/gateway.db"
+
+
+@dataclass
+class AuthConfig:
+    admin_token: str = ""             # bearer token of the admin API; empty disables it
+    cache_ttl_s: float = 5.0          # how long a key lookup is reused (revocation latency elsewhere)
+
+
+@dataclass
+class OverloadConfig:
+    max_in_flight_per_model: int = 64
+    max_queued_per_model: int = 32
+    queue_timeout_s: float = 2.0      # a queued request waiting longer is refused
+    refuse_status: int = 429          # 429 or 503
+    retry_after_s: float = 1.0
+
+
+@dataclass
+class SafetyConfig:
+    policy_file: str = ""             # YAML safety policy; empty: no rules
+
+
+@dataclass
+class TracingConfig:
+    exporter: Literal["none", "console"] = "none"
+    service_name: str = "llmserve-gateway"
+
+
+@dataclass
+class LocalModeConfig:
+    """Only in local mode the gateway creates a dev organization and key at start."""
+    enabled: bool = False
+    api_key: str = "sk-local-dev"     # overridden by LLMSERVE_DEV_API_KEY
+    admin_token: str = "admin-local-dev"  # overridden by LLMSERVE_ADMIN_TOKEN
+    organization: str = "dev"
+
+
+@dataclass
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    conversations: ConversationsConfig = field(default_factory=ConversationsConfig)
+    database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
+    overload: OverloadConfig = field(default_factory=OverloadConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    local_mode: LocalModeConfig = field(default_factory=LocalModeConfig)
+
+
+def apply_local_environment(cfg: GatewayConfig, environ: Mapping[str, str] = os.environ) -> GatewayConfig:
+    """The two well-known local-mode variables, and the admin token they imply."""
+    local = cfg.local_mode
+    if local.enabled:
+        local.api_key = environ.get("LLMSERVE_DEV_API_KEY", local.api_key)
+        local.admin_token = environ.get("LLMSERVE_ADMIN_TOKEN", local.admin_token)
+        if not cfg.auth.admin_token:
+            cfg.auth.admin_token = local.admin_token
+    return cfg
+
+
+def validate(cfg: GatewayConfig) -> None:
+    server = cfg.server
+    if bool(server.tls_cert_file) != bool(server.tls_key_file):
+        raise ConfigError("server.tls_cert_file and server.tls_key_file go together")
+    if not server.tls_cert_file and not server.plain_http:
+        raise ConfigError("no TLS certificate configured: set server.tls_cert_file/tls_key_file, "
+                          "or server.plain_http: true to serve plain HTTP")
+    if cfg.overload.refuse_status not in (429, 503):
+        raise ConfigError("overload.refuse_status must be 429 or 503")
+    if cfg.overload.max_in_flight_per_model < 1 or cfg.overload.max_queued_per_model < 0:
+        raise ConfigError("overload: max_in_flight_per_model >= 1 and max_queued_per_model >= 0")

@@ -1,0 +1,28 @@
+"""Prometheus metrics of one gateway app, in its own registry (several apps can share a process).
+The rate limiter counts its decisions and Redis errors itself (ratelimit/metrics.py)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gateway_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.ttft = Histogram("gateway_time_to_first_token_seconds", "Time to the first streamed token",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("gateway_inter_token_latency_seconds", "Time between streamed chunks",
+                                     ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_latency = Histogram("gateway_request_duration_seconds", "Chat completion duration",
+                                         ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("gateway_in_flight_requests", "Admitted chat completions", ["model"], registry=r)
+        self.queued = Gauge("gateway_queued_requests", "Chat completions waiting for a slot", ["model"],
+                            registry=r)
+        self.overload_refusals = Counter("gateway_overload_refusals", "Requests shed by the overload guard",
+                                         ["model"], registry=r)
+        self.tokens = Counter("gateway_tokens", "Tokens served", ["model", "kind"], registry=r)

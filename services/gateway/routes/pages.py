@@ -1,0 +1,34 @@
+"""The chat page at /, its static files, health and Prometheus /metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from services.gateway.app import GATEWAY
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+
+async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """This app's registry, plus the process-wide one (the rate limiter counts there)."""
+    body = generate_latest(request.app[GATEWAY].metrics.registry) + generate_latest(REGISTRY)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def register(app: web.Application) -> None:
+    app.router.add_get("/", index)
+    app.router.add_get("/healthz", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_static("/static/", STATIC)

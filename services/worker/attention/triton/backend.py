@@ -1,0 +1,52 @@
+"""The Triton attention backend: paged attention for mixed batches, switching to split-KV when a
+decode-like batch is too small to fill the GPU (few sequences, long contexts)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.triton.paged_attention import DEFAULT_TILE_N, paged_attention
+from services.worker.attention.triton.split_kv import choose_num_splits, split_kv_attention
+from services.worker.attention.triton.write_kv import write_kv
+
+# Batches whose sequences have at most this many query tokens (decode, speculative verification)
+# run one tile per sequence and KV head, so their parallelism is num_seqs x num_kv_heads.
+SPLIT_MAX_QUERY_LEN = 8
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another: splitting only adds work
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class TritonPagedAttention:
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None, tile_n: int = DEFAULT_TILE_N):
+        """num_sms: the parallelism to fill (default: the device's multiprocessor count)."""
+        self.num_sms = num_sms
+        self.tile_n = tile_n
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        args = (query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, meta.max_query_len, scale)
+        splits = self.num_splits(meta, num_kv_heads=key_cache.shape[2], device=query.device)
+        if splits > 1:
+            return split_kv_attention(*args, num_splits=splits, tile_n=self.tile_n)
+        return paged_attention(*args, tile_n=self.tile_n)
+
+    def num_splits(self, meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+        if meta.max_query_len > SPLIT_MAX_QUERY_LEN:
+            return 1
+        num_sms = self.num_sms or _multiprocessor_count(device)
+        return choose_num_splits(meta.num_seqs, num_kv_heads, meta.max_seq_len, num_sms)

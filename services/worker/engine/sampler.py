@@ -1,0 +1,172 @@
+"""Turns a batch of logits into next tokens, one row per request.
+
+The pipeline, as in vLLM: penalties and min_tokens on the raw logits; greedy rows take the argmax
+there; random rows go on through temperature, min_p, top_k and top_p, then draw from the softmax.
+A draw is an exponential race, argmax(p / q) with q ~ Exp(1): a sample from p that consumes
+exactly V uniform numbers from one generator, so a seeded row gets the same tokens whatever else is in
+the batch and wherever it sits. Reported logprobs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from services.worker.engine.penalties import apply_penalties, has_penalties, suppress_stop_tokens
+from services.worker.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample from."""
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]      # generated so far: penalties and min_tokens
+    generator: torch.Generator | None    # per request when seeded, on the logits' device; else None
+    eos_token_ids: Sequence[int] = ()    # suppressed with stop_token_ids while output < min_tokens
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None                         # of each chosen token; None if no row asked
+    top_logprobs: list[list[tuple[int, float]]] | None   # per row, descending; None if no row asked
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None):
+        """generator: shared by unseeded rows; None uses torch's default for the logits' device."""
+        self.generator = generator
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+        """logits [N, V], float. Never modifies them."""
+        tokens, random, probs = self._process(logits, rows)
+        if random:
+            tokens[random] = self._draw(probs, [rows[i].generator for i in random])
+        return _with_logprobs(logits, tokens, rows)
+
+    def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[N, V], the distribution `sample` draws from; greedy rows are one-hot at their argmax.
+        Speculative decoding verifies drafts against it."""
+        tokens, random, probs = self._process(logits, rows)
+        distribution = torch.zeros(logits.shape, device=logits.device).scatter_(1, tokens[:, None], 1.0)
+        if random:
+            distribution[random] = probs
+        return distribution
+
+    def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """The greedy choice of every row, the indices of the random rows, and their distributions."""
+        adjusted = self._adjust(logits, rows)
+        greedy_tokens = adjusted.argmax(-1)
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not random:
+            return greedy_tokens, random, None
+        # truncated_probs works in place: on our own copy when every row is random.
+        subset = adjusted if len(random) == len(rows) else adjusted[random]
+        return greedy_tokens, random, truncated_probs(subset, [rows[i].params for i in random])
+
+    def _adjust(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """A float32 copy of logits with penalties and min_tokens applied."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be floating point, got {logits.dtype}")
+        adjusted = logits.to(torch.float32, copy=True)
+        penalised = [i for i, row in enumerate(rows) if has_penalties(row)]
+        if penalised:
+            subset = adjusted[penalised]
+            apply_penalties(subset, [rows[i] for i in penalised])
+            adjusted[penalised] = subset
+        suppress_stop_tokens(adjusted, rows)
+        return adjusted
+
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of probs; seeded rows draw from their own generator."""
+        if all(g is None for g in generators):
+            return exponential_race(probs, self.generator)
+        uniform = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            uniform[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).uniform_(
+                generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                uniform[i].uniform_(generator=g)
+        return _race_winner(probs, uniform)
+
+
+def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """softmax after temperature, min_p, top_k, top_p (vLLM's order). Non-greedy rows only;
+    modifies logits in place."""
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+    logits.div_(column([p.temperature for p in params]))
+    if any(p.min_p > 0 for p in params):
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf keeps all.
+        floor = logits.amax(-1, keepdim=True) + column([p.min_p for p in params]).log()
+        logits.masked_fill_(logits < floor, float("-inf"))
+    if any(p.top_k > 0 for p in params):
+        _top_k(logits, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        _top_p(logits, column([p.top_p for p in params]))
+    return logits.softmax(-1)
+
+
+def _top_k(logits: torch.Tensor, top_k: list[int]) -> None:
+    """In place: keeps the k highest logits of each row, and ties with the k-th. 0 is off."""
+    vocab_size = logits.shape[1]
+    active = [0 < k < vocab_size for k in top_k]
+    k = torch.tensor([k if on else 1 for k, on in zip(top_k, active)], device=logits.device)[:, None]
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
+    kth = torch.where(torch.tensor(active, device=logits.device)[:, None], kth, float("-inf"))
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """In place: keeps the fewest most likely tokens whose mass reaches top_p (never none), and
+    ties with the least likely of them. top_p [N, 1]; 1 is off.
+
+    Sorting the whole vocabulary dominates on a CPU, so only the best TOP_P_CANDIDATES of each
+    row are sorted when they hold the mass every row needs, which makes the result exact."""
+    on = top_p < 1.0
+    probs = logits.softmax(-1)
+    ordered = probs.topk(min(TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values
+    if bool((on & (ordered.sum(-1, keepdim=True) < top_p)).any()):
+        ordered = probs.sort(dim=-1, descending=True).values
+    kept = ((ordered.cumsum(-1) - ordered) < top_p).sum(-1, keepdim=True)   # >= 1: the first has 0 before it
+    least_kept = ordered.gather(1, kept - 1)
+    logits.masked_fill_(on & (probs < least_kept), float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A sample from each row of probs [..., V] (rows need not be normalised), drawn with generator."""
+    return _race_winner(probs, torch.empty_like(probs).uniform_(generator=generator))
+
+
+def _race_winner(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    # q = -log(u) ~ Exp(1), and argmin q_i / p_i picks i with probability p_i / sum(p). u in [0, 1)
+    # makes q > 0, so no 0/0 = nan (which argmax would pick, even for a masked token).
+    return probs.div(uniform.log_().neg_()).argmax(-1)
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   rows: Sequence[SamplingRow]) -> SampleResult:
+    token_ids = tokens.tolist()
+    if not any(row.params.logprobs for row in rows):
+        return SampleResult(token_ids, None, None)
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    most = max(row.params.top_logprobs for row in rows)
+    if not most:
+        return SampleResult(token_ids, chosen, None)
+    values, ids = logprobs.topk(min(most, logits.shape[1]), dim=-1)
+    top = [list(zip(ids[i, :row.params.top_logprobs].tolist(), values[i, :row.params.top_logprobs].tolist()))
+           for i, row in enumerate(rows)]
+    return SampleResult(token_ids, chosen, top)

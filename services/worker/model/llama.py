@@ -1,0 +1,189 @@
+"""The Llama architecture (also Qwen2, SmolLM2, Mistral-without-sliding-window) over a paged KV cache.
+
+Input is the flattened batch of new tokens: input_ids and positions are [T], every sequence's
+tokens one after another as AttentionMetadata describes. Q/K/V and gate/up are each one fused
+linear so a decode step runs few, large matrix products; the attention backend writes the new
+keys and values into the cache and attends over it.
+
+Weights arrive under Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), whatever
+the file format: `load_weights` copies each into its slice of the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention.backend import AttentionBackend
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.model.config import ModelConfig
+from services.worker.model.rotary import RotaryEmbedding
+
+# Tensors some checkpoints carry that the model recomputes or does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _empty(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Half precision: normalise in float32 and round before scaling, as the reference does.
+        return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with parameters left uninitialised (nn.Linear's random init is slow and wasted)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
+        super().__init__()
+        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype, device):
+        super().__init__()
+        self.weight = _empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, attention: AttentionBackend, dtype, device):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype, device)
+        self.rotary = rotary
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # Queries and keys are rotated together: one rotary pass over num_heads + num_kv_heads heads.
+        qk = self.rotary(positions, qkv[:, :self.q_size + self.kv_size].view(tokens, -1, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = self.attention.attend(q, key_cache, value_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, attention: AttentionBackend, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, rotary, attention, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Parameters are allocated uninitialised on `device`; fill them with load_weights (or random init)."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_context_length, config.rope_theta,
+                                      config.rope_scaling, device)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, attention, dtype, device)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        # A tied head is the embedding matrix itself.
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """-> [T, hidden], after the final norm: pick the rows you need and call compute_logits."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be filled.
+
+        Raises ValueError on an unknown name, a wrong shape or a missing tensor.
+        """
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {name: 0 for name in params}
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store the head anyway; the embedding is the head
+            name, rows = self._place(hf_name)
+            if name not in params:
+                raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+            target = params[name].data[rows]
+            if target.shape != tensor.shape:
+                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            filled[name] += target.numel()
+        missing = [name for name, param in params.items() if filled[name] != param.numel()]
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {missing[:3]}")
+
+    def _place(self, hf_name: str) -> tuple[str, slice]:
+        """Hugging Face tensor name -> (our parameter name, its rows in that parameter)."""
+        c = self.config
+        name = hf_name.removeprefix("model.")
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, c.q_size),
+            "self_attn.k_proj": ("self_attn.qkv_proj", c.q_size, c.kv_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", c.q_size + c.kv_size, c.kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, c.intermediate_size),
+            "mlp.up_proj": ("mlp.gate_up_proj", c.intermediate_size, c.intermediate_size),
+        }
+        for part, (fused_part, start, size) in fused.items():
+            if f".{part}." in name:
+                return name.replace(part, fused_part), slice(start, start + size)
+        return name, slice(None)

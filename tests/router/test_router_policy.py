@@ -1,0 +1,101 @@
+from collections import Counter
+
+from services.router.config import PolicyConfig
+from services.router.policy import CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy, make_policy
+from services.router.pool import Pool, Worker
+from services.router.prefix_index import block_hashes
+
+CONFIG = PolicyConfig(balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.3, block_chars=8)
+
+
+def make_pool(n: int = 3) -> Pool:
+    pool = Pool("m", max_blocks_per_worker=1000)
+    for i in range(n):
+        address = f"w{i}:1"
+        pool.workers[address] = Worker(address, "m", "static", channel=None, stub=None, healthy=True)
+    return pool
+
+
+def route(policy, pool: Pool, text: str):
+    return policy.choose(pool, pool.routable(), block_hashes(text, "", CONFIG.block_chars))
+
+
+def test_a_growing_conversation_keeps_its_worker():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    turn = "user: tell me about the sea\n"
+    first = route(policy, pool, turn)
+    assert first.decision == "cache_miss"
+    for i in range(5):
+        turn += f"assistant: answer {i}\nuser: and then?\n"
+        choice = route(policy, pool, turn)
+        assert choice.worker is first.worker and choice.decision == "cache_hit"
+
+
+def test_unrelated_requests_spread_round_robin_on_ties():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    picks = Counter(route(policy, pool, f"{i:04d} unrelated question").worker.address for i in range(30))
+    assert picks == Counter({"w0:1": 10, "w1:1": 10, "w2:1": 10})
+
+
+def test_imbalance_overrides_affinity():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    text = "a long shared conversation prefix"
+    holder = route(policy, pool, text).worker
+    holder.in_flight = 3                           # 3 - 0 <= 4: affinity beats load
+    assert route(policy, pool, text).worker is holder
+    holder.in_flight = 10                          # 10 - 0 > 4 and 10 > 1.5 * 0
+    overflow = route(policy, pool, text)
+    assert overflow.decision == "imbalanced" and overflow.worker is not holder
+    # The overflow worker now holds the prefix too; the less loaded holder wins.
+    holder.in_flight = 3
+    assert route(policy, pool, text).worker is overflow.worker
+
+
+def test_a_weak_match_goes_to_the_least_loaded():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    holder = route(policy, pool, "shared00").worker                 # 1 block
+    holder.in_flight = 1
+    choice = route(policy, pool, "shared00" + "x" * 32)             # 1 of 5 blocks = 0.2 < 0.3
+    assert choice.decision == "cache_miss" and choice.worker is not holder
+
+
+def test_equal_holders_break_ties_by_load():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    hashes = block_hashes("common system prompt", "", 8)
+    for w in pool.workers.values():
+        pool.prefixes.insert(w.address, hashes)
+    busy = list(pool.workers.values())
+    busy[0].in_flight, busy[1].in_flight = 2, 2
+    assert policy.choose(pool, pool.routable(), hashes).worker is busy[2]
+
+
+def test_the_reported_load_counts_too():
+    pool, policy = make_pool(2), LeastLoadedPolicy()
+    first, second = pool.workers.values()
+    first.load.running, first.load.waiting = 3, 2     # another router's requests
+    second.in_flight = 4
+    assert policy.choose(pool, pool.routable(), []).worker is second
+
+
+def test_round_robin_ignores_prefixes_and_load():
+    pool, policy = make_pool(), make_policy(PolicyConfig(name="round_robin"))
+    assert isinstance(policy, RoundRobinPolicy)
+    list(pool.workers.values())[0].in_flight = 50
+    picks = [route(policy, pool, "same prompt").worker.address for _ in range(6)]
+    assert picks == ["w0:1", "w1:1", "w2:1"] * 2
+
+
+def test_only_candidates_are_chosen():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    holder = route(policy, pool, "conversation").worker
+    others = [w for w in pool.routable() if w is not holder]
+    choice = policy.choose(pool, others, block_hashes("conversation", "", 8))
+    assert choice.worker in others
+
+
+def test_a_worker_going_unhealthy_forgets_its_prefixes():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    holder = route(policy, pool, "a conversation long enough").worker
+    assert pool.prefixes.size(holder.address) > 0
+    pool.set_healthy(holder, False)
+    assert pool.prefixes.size(holder.address) == 0 and holder not in pool.routable()

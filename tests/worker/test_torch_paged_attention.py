@@ -1,0 +1,92 @@
+"""The PyTorch paged-attention reference against naive dense causal attention computed from each
+sequence's own keys and values (never from the cache), in float64."""
+
+import math
+
+import pytest
+import torch
+
+from services.worker.attention.torch_paged import TorchPagedAttention
+from tests.worker.paged_batches import make_batch, poisoned_like
+
+
+def dense_causal_attention(batch, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence, query j of a sequence at position seq_len - q_len + j
+    seeing positions <= its own; kv head of query head h is h // (num_heads / num_kv_heads)."""
+    meta = batch.meta
+    num_heads = batch.query.shape[1]
+    group = num_heads // batch.keys[0].shape[1]
+    out = torch.empty(batch.query.shape, dtype=torch.float64)
+    row = 0
+    for keys, values, q_len, seq_len in zip(batch.keys, batch.values, meta.query_lens_cpu,
+                                            meta.seq_lens_cpu):
+        for j in range(q_len):
+            visible = seq_len - q_len + j + 1
+            for h in range(num_heads):
+                q = batch.query[row + j, h].double()
+                k = keys[:visible, h // group].double()
+                v = values[:visible, h // group].double()
+                out[row + j, h] = torch.softmax(k @ q * scale, dim=0) @ v
+        row += q_len
+    return out
+
+
+CASES = {
+    # (cached, new) per sequence
+    "decode": [(15, 1), (32, 1), (0, 1), (47, 1)],
+    "prefill": [(0, 9), (0, 33)],
+    "mixed": [(37, 1), (0, 17), (20, 13), (50, 1), (40, 4)],  # decode, prefill, chunk, verify
+    "verify": [(45, 4), (12, 4), (31, 4)],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 16), (9, 3, 32), (8, 1, 16)])
+def test_reference_matches_dense_attention(case, num_heads, num_kv_heads, block_size):
+    batch = make_batch(CASES[case], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
+                       block_size=block_size, shared_blocks=1, seed=len(case) + num_heads)
+    scale = 1 / math.sqrt(16)
+    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
+                                       batch.meta, scale)
+    expected = dense_causal_attention(batch, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_ignores_garbage_past_each_sequence():
+    """Unused slots hold NaN (make_batch); a decode batch of unequal lengths pads its gather with
+    them, and they must not leak into the result."""
+    batch = make_batch([(3, 1), (40, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    assert torch.isnan(batch.key_cache).any()
+    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
+                                       batch.meta, 0.25)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25))
+
+
+def test_reference_write_kv_fills_the_mapped_slots_only():
+    batch = make_batch([(5, 3), (16, 2)], num_heads=2, num_kv_heads=2, head_dim=16, block_size=16)
+    key_cache = poisoned_like(batch.key_cache)
+    value_cache = poisoned_like(batch.value_cache)
+    new_keys = torch.cat([k[-n:] for k, n in zip(batch.keys, batch.meta.query_lens_cpu)])
+    new_values = torch.cat([v[-n:] for v, n in zip(batch.values, batch.meta.query_lens_cpu)])
+    TorchPagedAttention().write_kv(new_keys, new_values, key_cache, value_cache,
+                                   batch.meta.slot_mapping)
+    flat_k = key_cache.flatten(0, 1)
+    flat_v = value_cache.flatten(0, 1)
+    torch.testing.assert_close(flat_k[batch.meta.slot_mapping], new_keys)
+    torch.testing.assert_close(flat_v[batch.meta.slot_mapping], new_values)
+    assert torch.isnan(flat_k).flatten(1).all(1).sum() == flat_k.shape[0] - len(new_keys)
+
+
+def test_batches_scatter_blocks_and_share_the_prefix():
+    """The batches above exercise what they claim: shared prefix blocks, blocks out of order,
+    NaN in the unused tail of a partially filled last block."""
+    batch = make_batch(CASES["mixed"], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
+                       shared_blocks=1)
+    tables, lens = batch.meta.block_tables, batch.meta.seq_lens_cpu
+    sharing = [s for s, (cached, _) in enumerate(CASES["mixed"]) if cached >= 16]
+    assert len(sharing) >= 3 and len({int(tables[s, 0]) for s in sharing}) == 1
+    own = [int(b) for s, n in enumerate(lens) for b in tables[s, 1:-(-n // 16)]]
+    assert own != sorted(own) and len(own) == len(set(own))
+    last = tables[0, lens[0] // 16]
+    assert torch.isnan(batch.key_cache[last, lens[0] % 16:]).all()
