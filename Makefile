@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos test test-soak run bench-engine bench-gpu bench-spec bench-gateway bench-router bench-load lint clean
+.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-gpu bench-spec bench-gateway bench-router bench-load lint clean
 
 install: $(STAMP) protos
 
@@ -24,7 +24,11 @@ protos: $(STAMP)
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=libs --grpc_python_out=libs --pyi_out=libs protos/llmserve/v1/*.proto
 	touch libs/llmserve/v1/__init__.py
 
-test: install
+# The browser tests drive Debian's Chromium (never a downloaded browser build).
+browser:
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+test: install browser
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
 test-soak: install

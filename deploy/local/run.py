@@ -15,7 +15,9 @@ Two variables switch from the embedded stores to shared servers:
     LLMSERVE_DATABASE_URL=postgresql://user@host:5432/db   conversations and the gateway use Postgres
     LLMSERVE_REDIS_URL=redis://host:6379/0                  the gateway's rate limiter uses Redis
 Every other LLMSERVE_<SERVICE>__SECTION__KEY variable still overrides that service's settings.
-The generated config files and each service's log are under ./var/local/.
+The SQLite files live in ./var/ (--var-dir), the generated config files and each service's log in
+./var/local/ (--run-dir). --port-offset N shifts every port by N, so a second platform (the
+end-to-end tests, say) runs beside a developer's own.
 """
 
 from __future__ import annotations
@@ -69,21 +71,29 @@ def grpc_service(name: str, module: str, config: Any, port: int, metrics_port: i
                    f"http://{HOST}:{metrics_port}/metrics", (port, metrics_port), note)
 
 
-def plan(environ: dict[str, str]) -> list[Service]:
-    """The services in start order, each with its config; the two URL variables pick the stores."""
+def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "var") -> list[Service]:
+    """The services in start order, each with its config; the two URL variables pick the stores,
+    which otherwise are SQLite files in var_dir; every port is shifted by port_offset."""
     database_url = environ.get("LLMSERVE_DATABASE_URL", "")
     redis_url = environ.get("LLMSERVE_REDIS_URL", "")
     threads = max(1, (os.cpu_count() or 2) // len(WORKER_MODELS))   # the workers share the cores
 
+    def shift(*ports: int) -> list[int]:
+        return [p + port_offset for p in ports]
+
+    var_dir = Path(var_dir).resolve()
+
     conversations = conversations_config.ConversationsConfig()
-    conversations.server = conversations_config.ServerConfig(host=HOST, port=50060, metrics_port=9160)
-    if database_url:
-        conversations.store.url = database_url
-    services = [grpc_service("conversations", "services.conversations", conversations, 50060, 9160,
+    port, metrics_port = shift(50060, 9160)
+    conversations.server = conversations_config.ServerConfig(host=HOST, port=port, metrics_port=metrics_port)
+    conversations.store.url = database_url or f"sqlite:///{var_dir / 'conversations.db'}"
+    services = [grpc_service("conversations", "services.conversations", conversations, port, metrics_port,
                              f"store {_redacted(conversations.store.url)}")]
+    conversations_address = services[0].address
 
     pools = {}
-    for name, model, dtype, port, metrics_port in WORKER_MODELS:
+    for name, model, dtype, *ports in WORKER_MODELS:
+        port, metrics_port = shift(*ports)
         worker = worker_config.WorkerConfig()
         worker.server = worker_config.ServerConfig(host=HOST, port=port, metrics_port=metrics_port, name=name)
         worker.model.name, worker.model.dtype = model, dtype
@@ -92,21 +102,23 @@ def plan(environ: dict[str, str]) -> list[Service]:
         pools[model] = router_config.PoolConfig(addresses=[f"{HOST}:{port}"])
 
     router = router_config.RouterConfig(models=pools)
-    router.server = router_config.ServerConfig(host=HOST, port=50050, metrics_port=9150)
-    services.append(grpc_service("router", "services.router", router, 50050, 9150, f"pools: {', '.join(pools)}"))
+    port, metrics_port = shift(50050, 9150)
+    router.server = router_config.ServerConfig(host=HOST, port=port, metrics_port=metrics_port)
+    services.append(grpc_service("router", "services.router", router, port, metrics_port,
+                                 f"pools: {', '.join(pools)}"))
 
     gateway = gateway_config.GatewayConfig()
-    gateway.server.host, gateway.server.port, gateway.server.plain_http = HOST, 8080, True
-    gateway.upstream.address = f"{HOST}:50050"
-    gateway.conversations.address = f"{HOST}:50060"
+    [port] = shift(8080)
+    gateway.server.host, gateway.server.port, gateway.server.plain_http = HOST, port, True
+    gateway.upstream.address = services[-1].address
+    gateway.conversations.address = conversations_address
     gateway.local_mode.enabled = True
-    if database_url:
-        gateway.database.url = database_url
+    gateway.database.url = database_url or f"sqlite:///{var_dir / 'gateway.db'}"
     if redis_url:
         gateway.rate_limit.backend, gateway.rate_limit.redis_url = "redis", redis_url
-    services.append(Service("gateway", "services.gateway", gateway, f"http://{HOST}:8080",
-                            f"http://{HOST}:8080/healthz", f"http://{HOST}:8080/metrics", (8080,),
-                            f"rate limits in {'Redis' if redis_url else 'process memory'}"))
+    url = f"http://{HOST}:{port}"
+    services.append(Service("gateway", "services.gateway", gateway, url, f"{url}/healthz", f"{url}/metrics",
+                            (port,), f"rate limits in {'Redis' if redis_url else 'process memory'}"))
     return services
 
 
@@ -174,12 +186,13 @@ def stop_all(services: list[Service], grace_s: float) -> None:
 def summary(services: list[Service]) -> str:
     api_key = os.environ.get("LLMSERVE_DEV_API_KEY", gateway_config.LocalModeConfig().api_key)
     model = WORKER_MODELS[0][1]
+    gateway = services[-1].address
     lines = ["", "llmserve is running:"]
     lines += [f"  {s.name:<14} {s.address:<24} {s.note}" for s in services]
-    lines += ["", f"Chat page:  http://{HOST}:8080/   (API key {api_key})",
+    lines += ["", f"Chat page:  {gateway}/   (API key {api_key})",
               "Metrics:    " + "  ".join(s.metrics for s in services),
               "", "Try it:",
-              f"  curl http://{HOST}:8080/v1/chat/completions -H 'Authorization: Bearer {api_key}' \\",
+              f"  curl {gateway}/v1/chat/completions -H 'Authorization: Bearer {api_key}' \\",
               "    -H 'Content-Type: application/json' \\",
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               "", "Ctrl-C stops everything."]
@@ -188,18 +201,20 @@ def summary(services: list[Service]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", default=str(REPO / "var" / "local"), help="config files and logs")
+    parser.add_argument("--var-dir", default=str(REPO / "var"), help="the SQLite databases")
+    parser.add_argument("--run-dir", help="config files and logs (default: VAR_DIR/local)")
+    parser.add_argument("--port-offset", type=int, default=0, help="added to every port")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
     parser.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
     args = parser.parse_args(argv)
 
-    services = plan(dict(os.environ))
+    services = plan(dict(os.environ), args.port_offset, Path(args.var_dir))
     busy = [(s.name, p) for s in services for p in s.ports if not _port_free(p)]
     if busy:
         print("ports in use (is llmserve already running?): "
               + ", ".join(f"{p} ({name})" for name, p in busy), file=sys.stderr)
         return 1
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir or Path(args.var_dir) / "local")
     run_dir.mkdir(parents=True, exist_ok=True)
 
     stop = threading.Event()

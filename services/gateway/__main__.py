@@ -8,9 +8,10 @@ import ssl
 
 from aiohttp import web
 
-from llmserve.config import load_config
+from llmserve.config import ConfigError, load_config
 from services.gateway.app import build_app
 from services.gateway.config import GatewayConfig, apply_local_environment, validate
+from services.gateway.safety import load_safety_policy
 
 
 def ssl_context(cfg: GatewayConfig) -> ssl.SSLContext | None:
@@ -26,8 +27,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="YAML configuration file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = apply_local_environment(load_config(GatewayConfig, args.config, "LLMSERVE_GATEWAY"))
-    validate(cfg)
+    try:
+        cfg = apply_local_environment(load_config(GatewayConfig, args.config, "LLMSERVE_GATEWAY"))
+        validate(cfg)
+        load_safety_policy(cfg.safety.policy_file or None)  # a bad policy file fails here, before serving
+    except (ConfigError, ValueError, OSError) as e:
+        raise SystemExit(f"gateway configuration: {e}") from None
     web.run_app(build_app(cfg), host=cfg.server.host, port=cfg.server.port, ssl_context=ssl_context(cfg),
                 handler_cancellation=True, shutdown_timeout=cfg.server.shutdown_timeout_s,
                 access_log=None, print=lambda *a: logging.info(*a))

@@ -64,9 +64,11 @@ class Completion:
         self.model = model
         self.logprobs = logprobs
         self.choices = [Choice(i, guards[i]) for i in range(n)]
-        self.prompt_tokens = prompt_tokens_estimate  # replaced by the upstream count when it arrives
+        # Until the upstream's usage arrives (it may never: a stream cut short), the prompt is the
+        # estimate and the completion is the tokens seen; a client that left pays for those.
+        self.prompt_tokens = prompt_tokens_estimate
         self.cached_tokens = 0
-        self.upstream_usage = False
+        self._reported_completion_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +76,8 @@ class Completion:
 
     @property
     def completion_tokens(self) -> int:
+        if self._reported_completion_tokens is not None:
+            return self._reported_completion_tokens
         return sum(c.tokens for c in self.choices)
 
     @property
@@ -85,7 +89,7 @@ class Completion:
         if msg.HasField("usage"):
             self.prompt_tokens = msg.usage.prompt_tokens
             self.cached_tokens = msg.usage.cached_prompt_tokens
-            self.upstream_usage = True
+            self._reported_completion_tokens = msg.usage.completion_tokens
         if msg.index >= len(self.choices):
             raise ApiError(502, f"upstream sent choice {msg.index} of {len(self.choices)}", type="server_error",
                            code="upstream_error")

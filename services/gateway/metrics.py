@@ -3,9 +3,19 @@ The rate limiter counts its decisions and Redis errors itself (ratelimit/metrics
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """One model's per-token series, looked up once per request instead of once per token."""
+    ttft: Histogram
+    inter_token: Histogram
+    request_latency: Histogram
 
 
 class GatewayMetrics:
@@ -26,3 +36,12 @@ class GatewayMetrics:
         self.overload_refusals = Counter("gateway_overload_refusals", "Requests shed by the overload guard",
                                          ["model"], registry=r)
         self.tokens = Counter("gateway_tokens", "Tokens served", ["model", "kind"], registry=r)
+        self._models: dict[str, ModelMetrics] = {}
+
+    def model(self, name: str) -> ModelMetrics:
+        found = self._models.get(name)
+        if found is None:
+            found = self._models[name] = ModelMetrics(self.ttft.labels(model=name),
+                                                      self.inter_token.labels(model=name),
+                                                      self.request_latency.labels(model=name))
+        return found

@@ -15,6 +15,10 @@ from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
 
 
+class Overloaded(ApiError):
+    """The model's in-flight slots and queue are full; nothing was sent upstream."""
+
+
 class _ModelGate:
     def __init__(self, max_in_flight: int):
         self.slots = asyncio.Semaphore(max_in_flight)
@@ -28,10 +32,10 @@ class OverloadGuard:
         self._metrics = metrics
         self._gates: dict[str, _ModelGate] = {}
 
-    def _refusal(self, model: str, why: str) -> ApiError:
+    def _refusal(self, model: str, why: str) -> Overloaded:
         self._metrics.overload_refusals.labels(model=model).inc()
         retry = self._cfg.retry_after_s
-        return ApiError(self._cfg.refuse_status, f"the model `{model}` is overloaded ({why}); retry shortly",
+        return Overloaded(self._cfg.refuse_status, f"the model `{model}` is overloaded ({why}); retry shortly",
                         code="overloaded", type="rate_limit_error" if self._cfg.refuse_status == 429 else None,
                         headers={"Retry-After": str(max(1, round(retry))), "retry-after-ms": str(int(retry * 1000))})
 

@@ -50,21 +50,23 @@ class EventStream:
 
 
 async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[Any]:
-    """Yields the items, and KEEPALIVE whenever none arrived for interval_s. The pending read is
-    never cancelled by the timer (cancelling a gRPC read would cancel the call)."""
+    """Yields the items, and KEEPALIVE whenever none arrived for interval_s before the first one
+    (after that the stream is flowing and writes reveal a dead client). The pending read is never
+    cancelled by the timer: cancelling a gRPC read would cancel the call."""
     iterator = items.__aiter__()
-    while True:
-        pending = asyncio.ensure_future(iterator.__anext__())
+    first = asyncio.ensure_future(iterator.__anext__())
+    try:
+        while not first.done():
+            done, _ = await asyncio.wait({first}, timeout=interval_s)
+            if not done:
+                yield KEEPALIVE
         try:
-            while not pending.done():
-                done, _ = await asyncio.wait({pending}, timeout=interval_s)
-                if not done:
-                    yield KEEPALIVE
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                return
-        finally:
-            if not pending.done():
-                pending.cancel()
+            item = first.result()
+        except StopAsyncIteration:
+            return
+    finally:
+        if not first.done():
+            first.cancel()
+    yield item
+    async for item in iterator:
         yield item

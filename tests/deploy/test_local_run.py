@@ -82,3 +82,18 @@ def _alive_in_group(pgid: int) -> list[str]:
     table = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
     return [line for line in table.splitlines()
             if line.split()[1] == str(pgid) and not line.split()[2].startswith("Z")]
+
+
+def test_port_offset_and_var_dir_move_the_whole_platform(launcher, tmp_path):
+    default = {s.name: s for s in launcher.plan({})}
+    moved = {s.name: s for s in launcher.plan({}, port_offset=1000, var_dir=tmp_path)}
+    for name, service in moved.items():
+        assert service.ports == tuple(p + 1000 for p in default[name].ports)
+    assert moved["gateway"].address == "http://127.0.0.1:9080"
+    gateway = moved["gateway"].config
+    assert (gateway.upstream.address, gateway.conversations.address) == (
+        moved["router"].address, moved["conversations"].address)
+    assert set(moved["router"].config.models["smollm2-135m-instruct"].addresses) == {moved["worker-fp32"].address}
+    assert gateway.database.url == f"sqlite:///{tmp_path.resolve()}/gateway.db"
+    assert moved["conversations"].config.store.url == f"sqlite:///{tmp_path.resolve()}/conversations.db"
+    assert "http://127.0.0.1:9080/v1/chat/completions" in launcher.summary(list(moved.values()))

@@ -137,3 +137,11 @@ def test_another_orgs_conversation_is_404(gateway, key):
 def test_unknown_route_and_method(gateway, key):
     assert_error(gateway.http.get("/v1/nothing-here"), 404)
     assert_error(gateway.http.get("/v1/chat/completions"), 405)
+
+
+def test_request_id_is_echoed_when_sane(gateway, key):
+    mine = gateway.http.get("/v1/models", headers={"Authorization": f"Bearer {key}", "x-request-id": "trace-42.a:b"})
+    assert mine.headers["x-request-id"] == "trace-42.a:b"
+    odd = gateway.http.get("/v1/models", headers={"Authorization": f"Bearer {key}", "x-request-id": "x" * 300})
+    assert odd.headers["x-request-id"].startswith("req_")
+    assert gateway.http.get("/nowhere").headers["x-request-id"].startswith("req_")

@@ -17,6 +17,7 @@ policies:
   guarded:
     rules:
       - {name: no-bombs, kind: keyword, match: ["build a bomb"], category: violence, action: block, applies_to: [input]}
+      - {name: mild, kind: keyword, match: [darn], category: profanity, action: flag, applies_to: [input]}
       - {name: secret-word, kind: keyword, match: [xyzzy], category: secrets, action: block, applies_to: [output]}
 """
 
@@ -44,10 +45,17 @@ def test_blocked_input_is_refused(guarded, sdk):
     assert len(guarded.fake.calls) == calls   # never reached the model
 
 
+def test_flagged_input_passes(guarded, sdk):
+    reply = sdk.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "darn it"}])
+    assert reply.choices[0].finish_reason == "stop"
+    assert guarded.fake.calls[-1].request.chat.messages[-1].content == "darn it"
+
+
 def test_streamed_output_match_split_across_messages_stops_with_content_filter(guarded, sdk):
     before = len(guarded.fake.calls)
+    said = "[slow][say:the word is xyzzy and more text]"   # one character per upstream message
     stream = sdk.chat.completions.create(model="fake-model", stream=True, stream_options={"include_usage": True},
-                                         messages=[{"role": "user", "content": "[slow][say:the word is xyzzy and more text]"}])
+                                         messages=[{"role": "user", "content": said}])
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "xyzzy" not in text and "xyz" not in text
@@ -65,5 +73,6 @@ def test_whole_output_is_filtered_too(guarded, sdk):
 
 
 def test_clean_output_passes_whole(guarded, sdk):
-    reply = sdk.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "[say:all fine here]"}])
+    reply = sdk.chat.completions.create(model="fake-model",
+                                        messages=[{"role": "user", "content": "[say:all fine here]"}])
     assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("all fine here", "stop")

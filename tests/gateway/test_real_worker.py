@@ -25,7 +25,8 @@ def worker_address(tmp_path_factory) -> str:
     port = free_port()
     env = {"LLMSERVE_WORKER__SERVER__PORT": str(port), "LLMSERVE_WORKER__SERVER__METRICS_PORT": "0",
            "LLMSERVE_WORKER__ENGINE__NUM_BLOCKS": "256", "LLMSERVE_WORKER__ENGINE__MAX_MODEL_LEN": "1024",
-           "LLMSERVE_WORKER__ENGINE__NUM_THREADS": "1"}
+           "LLMSERVE_WORKER__ENGINE__NUM_THREADS": "1",
+           "LLMSERVE_WORKER__ENGINE__MAX_NUM_BATCHED_TOKENS": "64"}  # long prompts prefill over many steps
     with service("services.worker", env, f"127.0.0.1:{port}", tmp_path_factory.mktemp("worker"), timeout=180):
         yield f"127.0.0.1:{port}"
 
@@ -43,9 +44,12 @@ def key(real: GatewayHarness) -> str:
     return real.new_org("real")[2]
 
 
+_channels: dict[str, grpc.Channel] = {}
+
+
 def load(address: str) -> worker_pb2.LoadReport:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.GenerationStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    channel = _channels.get(address) or _channels.setdefault(address, grpc.insecure_channel(address))
+    return worker_pb2_grpc.GenerationStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
 def assert_blocks_freed_within_a_second(address: str, closed_at: float) -> None:
@@ -71,6 +75,8 @@ def test_sdk_whole_and_streamed(real, key):
     assert streamed == reply.choices[0].message.content          # greedy: the same text either way
     assert chunks[-1].usage.completion_tokens == 8
     assert [m.id for m in sdk.models.list().data] == [MODEL]
+    workers = real.admin("GET", "/admin/v1/workers")          # a worker is not a router
+    assert workers.status_code == 501 and workers.json()["error"]["code"] == "not_implemented"
 
 
 async def test_async_sdk_stop_finish(real, key):
@@ -83,14 +89,16 @@ async def test_async_sdk_stop_finish(real, key):
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_disconnect_frees_worker_blocks(real, key, worker_address, when):
-    long_prompt = "Write a very long story about the sea. " * (60 if when == "before" else 1)
-    sock = send_request(real, key, {"model": MODEL, "stream": True, "max_completion_tokens": 500,
+    long_prompt = "Write a very long story about the sea. " * (80 if when == "before" else 1)  # ~720 tokens
+    sock = send_request(real, key, {"model": MODEL, "stream": True, "max_completion_tokens": 200,
                                     "messages": [{"role": "user", "content": long_prompt}]})
     if when == "after":
         read_until(sock, b'"content":"')
         assert load(worker_address).kv_blocks_used > 0
     else:  # the worker has the request (prefilling a long prompt) and nothing was streamed yet
+        deadline = time.monotonic() + 30
         while load(worker_address).kv_blocks_used == 0:
+            assert time.monotonic() < deadline, f"the request never reached the worker: {sock.recv(4096)!r}"
             time.sleep(0.005)
         sock.setblocking(False)
         try:

@@ -121,3 +121,11 @@ async def eventually(condition, timeout: float = 5.0, what: str = "condition") -
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def read_rest(call) -> list[worker_pb2.GenerateResponse]:
+    """The remaining messages of a call already read with read() (the styles may not be mixed)."""
+    rest = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        rest.append(message)
+    return rest

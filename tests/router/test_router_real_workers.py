@@ -17,6 +17,7 @@ import pytest
 from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.procs import free_port, service
 from tests.router.real_workers import start_workers
+from tests.router.router_fakes import read_rest
 
 pytestmark = pytest.mark.real_workers
 
@@ -101,7 +102,7 @@ async def test_a_conversation_stays_on_the_worker_holding_its_prefix(cluster):
     await client.channel.close()
 
 
-async def test_a_killed_worker_ends_only_its_streams(cluster):
+async def test_a_killed_worker_ends_only_its_streams(cluster):   # last: it kills a worker
     router, workers = cluster
     doomed, bystander, _ = workers
     client = Client(router.address)
@@ -121,18 +122,22 @@ async def test_a_killed_worker_ends_only_its_streams(cluster):
     await client.drain_all_but(doomed.address)
     no_token_yet = asyncio.create_task(_collect(client.generation.Generate(
         chat([("user", "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 60)]), timeout=120)))
-    while (await client.workers())[doomed.address].in_flight < 2:
+    for _ in range(500):
+        if (await client.workers())[doomed.address].in_flight == 2:
+            break
         await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("the long request never reached the doomed worker")
     await client.drain_all_but(doomed.address, draining=False)   # somewhere to retry
     doomed.kill()
 
     with pytest.raises(grpc.aio.AioRpcError) as failed:
-        await _read_rest(doomed_stream)
+        await read_rest(doomed_stream)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"worker {doomed.address} failed mid-stream" in failed.value.details()
     retried = await no_token_yet
     assert retried[-1].worker != doomed.address and retried[-1].usage.prompt_tokens > 500
-    rest = await _read_rest(bystander_stream)
+    rest = await read_rest(bystander_stream)
     assert rest[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
     for i in range(3):
         reply = await _collect(client.generation.Generate(chat([("user", f"Afterwards {i}")])))
@@ -147,10 +152,3 @@ async def test_a_killed_worker_ends_only_its_streams(cluster):
 
 async def _collect(call) -> list[worker_pb2.GenerateResponse]:
     return [r async for r in call]
-
-
-async def _read_rest(call) -> list[worker_pb2.GenerateResponse]:
-    rest = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        rest.append(message)
-    return rest

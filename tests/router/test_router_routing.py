@@ -8,7 +8,7 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 from tests.procs import free_port
-from tests.router.router_fakes import eventually, router_config
+from tests.router.router_fakes import eventually, read_rest, router_config
 
 from llmserve.v1 import router_pb2, worker_pb2
 
@@ -83,14 +83,6 @@ async def test_a_killed_worker_ends_only_its_streams_and_unstarted_requests_go_e
     metrics = generate_latest(client.router.metrics.registry).decode()
     assert f'llmserve_router_retries_total{{model="m",worker="{doomed.address}"}} 1.0' in metrics
     assert f'llmserve_router_worker_healthy{{model="m",worker="{doomed.address}"}} 0.0' in metrics
-
-
-async def read_rest(call) -> list[worker_pb2.GenerateResponse]:
-    """The remaining messages of a call already read with read() (the styles may not be mixed)."""
-    rest = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        rest.append(message)
-    return rest
 
 
 async def _open_on(client, target, other, hold, text):

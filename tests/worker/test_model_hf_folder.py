@@ -83,4 +83,4 @@ def test_bfloat16_logits_close_to_transformers(tiny, paged_sequence):
         expected = reference.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float()
     reference.float()
     scale = expected.abs().max()
-    assert (ours - expected).abs().max() < 0.05 * scale
+    assert (ours - expected).abs().max() < 0.025 * scale  # measured about 0.011 * scale

@@ -31,7 +31,7 @@ def test_tiny_is_seeded_and_runs(paged_sequence):
 
 
 @pytest.mark.parametrize("shape, params_billion, qkv_rows", [
-    ("smollm2-135m", 0.1348, 960), ("llama-3-8b", 8.030, 6144), ("llama-3.1-8b", 8.030, 6144),
+    ("smollm2-135m", 0.1345, 960), ("llama-3-8b", 8.030, 6144), ("llama-3.1-8b", 8.030, 6144),
     ("llama-3-70b", 70.55, 10240), ("qwen2.5-7b", 7.616, 4608)])
 def test_named_shapes_on_meta_device(shape, params_billion, qkv_rows):
     loaded = _load(f"random:{shape}", device=torch.device("meta"), dtype=torch.bfloat16)
@@ -48,7 +48,7 @@ def test_llama31_rope_scaling_slows_low_frequencies_only():
                "original_max_position_embeddings": 8192}
     plain = RotaryEmbedding(128, 4, 500000.0, None, CPU)
     scaled = RotaryEmbedding(128, 4, 500000.0, scaling, CPU)
-    angle_plain, angle_scaled = plain.sin[1].asin(), scaled.sin[1].asin()   # position 1: the frequencies
+    angle_plain, angle_scaled = plain.sin[1].asin(), scaled.sin[1].asin()    # position 1: the frequencies
     assert torch.equal(angle_plain[:16], angle_scaled[:16])                  # short wavelengths kept
     torch.testing.assert_close(angle_scaled[-16:], angle_plain[-16:] / 8)    # long ones slowed by factor
     assert _load("random:llama-3.1-8b", device=torch.device("meta")).model.rotary.cos.shape == (131072, 64)

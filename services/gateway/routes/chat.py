@@ -27,6 +27,7 @@ from services.gateway.conversation_resume import fit_history, messages_to_store
 from services.gateway.errors import ApiError, sse_error_event
 from services.gateway.limits import admit, estimate_prompt_tokens, limits_for, reservation
 from services.gateway.metering import Reservation
+from services.gateway.overload import Overloaded
 from services.gateway.routes import read_json
 from services.gateway.sse import KEEPALIVE, EventStream, with_keepalive
 from services.gateway.tracing import grpc_metadata, set_request_attributes, set_response_attributes
@@ -41,7 +42,6 @@ class Outcome:
     status: str = "error"          # ok | content_filter | cancelled | error
     first_token_at: float | None = None
     last_token_at: float | None = None
-    error: ApiError | None = None
     turn_stored: bool = False      # the conversation got this request's messages
     started: float = field(default_factory=time.monotonic)
 
@@ -80,6 +80,10 @@ async def _admitted(request: web.Request, gw: Gateway, principal: Principal, req
     if moderation.blocked:
         raise ApiError(400, "the input was rejected by the safety policy", param="messages",
                        code="content_policy_violation")
+    if moderation.flagged:
+        flagged = sorted(category for category, hit in moderation.categories.items() if hit)
+        span.set_attribute("llmserve.safety.input_flagged", flagged)
+        log.info("request %s: input flagged by rule %s", request["request_id"], moderation.matched_rule)
 
     prompt_estimate = estimate_prompt_tokens([m.content for m in messages], context)
     limits = limits_for(principal)
@@ -90,9 +94,8 @@ async def _admitted(request: web.Request, gw: Gateway, principal: Principal, req
     try:
         async with gw.overload.admit(req.model):
             return await _run(request, gw, principal, req, messages, prompt_estimate, ticket, span, metadata)
-    except ApiError as e:
-        if e.code == "overloaded":
-            gw.spawn(gw.metering.refund(ticket))
+    except Overloaded:
+        gw.spawn(gw.metering.refund(ticket))
         raise
 
 
@@ -114,9 +117,6 @@ async def _run(request: web.Request, gw: Gateway, principal: Principal, req: Cha
         return web.json_response(completion.response())
     except (asyncio.CancelledError, ConnectionResetError):
         outcome.status = "cancelled"
-        raise
-    except ApiError as e:
-        outcome.error = e
         raise
     finally:
         call.cancel()  # no-op once the stream ended; otherwise aborts the request upstream at once
@@ -142,11 +142,12 @@ def _final_status(completion: Completion) -> str:
 
 def _tick(gw: Gateway, model: str, outcome: Outcome) -> None:
     now = time.monotonic()
+    series = gw.metrics.model(model)
     if outcome.first_token_at is None:
         outcome.first_token_at = now
-        gw.metrics.ttft.labels(model=model).observe(now - outcome.started)
+        series.ttft.observe(now - outcome.started)
     else:
-        gw.metrics.inter_token.labels(model=model).observe(now - outcome.last_token_at)
+        series.inter_token.observe(now - outcome.last_token_at)
     outcome.last_token_at = now
 
 
@@ -188,7 +189,6 @@ async def _stream(request: web.Request, gw: Gateway, req: ChatRequest, completio
     except ApiError as e:
         if not events.started:
             raise
-        outcome.error = e
         await events.send_raw(sse_error_event(e))
     await events.done()
     return events.response
@@ -217,7 +217,7 @@ async def _settle(gw: Gateway, req: ChatRequest, completion: Completion, outcome
                   principal: Principal) -> None:
     await gw.metering.settle(ticket, completion.id, completion.prompt_tokens, completion.completion_tokens,
                              completion.cached_tokens, outcome.status)
-    gw.metrics.request_latency.labels(model=req.model).observe(time.monotonic() - outcome.started)
+    gw.metrics.model(req.model).request_latency.observe(time.monotonic() - outcome.started)
     await _store_turn(gw, req, completion, outcome, principal)
 
 

@@ -23,7 +23,8 @@ class SqliteDatabase(Database):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         conn = await aiosqlite.connect(path, isolation_level=None)
         conn.row_factory = aiosqlite.Row
-        for pragma in ("journal_mode=WAL", "foreign_keys=ON", "busy_timeout=5000"):
+        # WAL + synchronous=NORMAL: no fsync per usage record; a power cut may lose the last few.
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=5000"):
             await conn.execute(f"PRAGMA {pragma}")
         return cls(conn)
 

@@ -20,7 +20,7 @@ from torch import nn
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model.config import ModelConfig
-from services.worker.model.rotary import RotaryEmbedding
+from services.worker.model.rotary import RotaryEmbedding, apply_rotary
 
 # Tensors some checkpoints carry that the model recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,7 +65,7 @@ class Embedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, attention: AttentionBackend, dtype, device):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype, device):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -74,15 +74,14 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype, device)
-        self.rotary = rotary
         self.attention = attention
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # Queries and keys are rotated together: one rotary pass over num_heads + num_kv_heads heads.
-        qk = self.rotary(positions, qkv[:, :self.q_size + self.kv_size].view(tokens, -1, self.head_dim))
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(tokens, -1, self.head_dim), *rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
@@ -103,15 +102,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, attention: AttentionBackend, dtype, device):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype, device):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, rotary, attention, dtype, device)
+        self.self_attn = LlamaAttention(config, attention, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(config, dtype, device)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -124,7 +123,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_context_length, config.rope_theta,
                                       config.rope_scaling, device)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, attention, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, dtype, device)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         # A tied head is the embedding matrix itself.
@@ -136,8 +135,9 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """-> [T, hidden], after the final norm: pick the rows you need and call compute_logits."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rotary, kv_cache, meta)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -1,0 +1,117 @@
+"""Bad model sources fail at load time with a ValueError that says what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.worker.attention.torch_paged import TorchPagedAttention
+from services.worker.model.loader import load_model
+from tests.worker.test_model_hf_folder import save_tiny_checkpoint
+
+
+def _load(source) -> None:
+    load_model(str(source), torch.float32, torch.device("cpu"), TorchPagedAttention())
+
+
+@pytest.fixture(scope="module")
+def good_folder(tmp_path_factory, smollm2_tokenizer) -> Path:
+    folder = tmp_path_factory.mktemp("good")
+    save_tiny_checkpoint(folder, "llama", smollm2_tokenizer)
+    return folder
+
+
+@pytest.fixture
+def folder(good_folder, tmp_path) -> Path:
+    """A fresh copy of a loadable checkpoint, for one test to break."""
+    return Path(shutil.copytree(good_folder, tmp_path / "model"))
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_the_unbroken_folder_loads(folder):
+    _load(folder)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("gpt-5", "unknown model source 'gpt-5'"),
+    ("random:llama-9-1t", "unknown random model shape 'llama-9-1t'"),
+    ("/no/such/model", "model path '/no/such/model' does not exist"),
+    ("/no/such/model.gguf", "GGUF file '/no/such/model.gguf' does not exist"),
+])
+def test_unknown_or_missing_sources(source, message):
+    with pytest.raises(ValueError, match=message):
+        _load(source)
+
+
+def test_corrupt_gguf_and_other_files(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        _load(tmp_path / "bad.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"\x00" * 16)
+    with pytest.raises(ValueError, match="neither a .gguf file nor a checkpoint folder"):
+        _load(tmp_path / "weights.bin")
+
+
+@pytest.mark.parametrize("remove, message", [
+    ("config.json", "lacks config.json"),
+    ("tokenizer.json", "lacks tokenizer.json"),
+    ("model.safetensors", "no \\*.safetensors weights"),
+])
+def test_missing_files(folder, remove, message):
+    (folder / remove).unlink()
+    with pytest.raises(ValueError, match=message):
+        _load(folder)
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("config.json", "{not json", "corrupt config.json"),
+    ("config.json", "[1, 2]", "corrupt config.json"),
+    ("tokenizer.json", "{\"model\": 3}", "corrupt tokenizer.json"),
+    ("model.safetensors", "garbage", "corrupt weights file"),
+])
+def test_corrupt_files(folder, file, content, message):
+    (folder / file).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        _load(folder)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"hidden_size": None}, "wrong type|lacks"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads"),
+    ({"intermediate_size": 100}, "has shape"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
+    ({"mlp_bias": True}, "mlp_bias is not supported"),
+])
+def test_bad_config_values(folder, changes, message):
+    _edit_config(folder, **changes)
+    with pytest.raises(ValueError, match=message):
+        _load(folder)
+
+
+def test_missing_required_key(folder):
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json lacks 'num_hidden_layers'"):
+        _load(folder)
+
+
+def test_missing_and_unexpected_tensors(folder):
+    tensors = {k: v.clone() for k, v in load_file(folder / "model.safetensors").items()}  # not mmapped: rewritten below
+    save_file({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks tensors for 1 parameters.*layers.1.mlp.gate_up_proj"):
+        _load(folder)
+    save_file({**tensors, "model.layers.0.mystery.weight": torch.zeros(2)}, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.mystery.weight'"):
+        _load(folder)
