@@ -22,20 +22,21 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("gateway_requests", "HTTP requests by route and status",
+        self.requests = Counter("llmserve_gateway_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
-        self.ttft = Histogram("gateway_time_to_first_token_seconds", "Time to the first streamed token",
+        self.ttft = Histogram("llmserve_gateway_time_to_first_token_seconds", "Time to the first streamed token",
                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token = Histogram("gateway_inter_token_latency_seconds", "Time between streamed chunks",
+        self.inter_token = Histogram("llmserve_gateway_inter_token_latency_seconds", "Time between streamed chunks",
                                      ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_latency = Histogram("gateway_request_duration_seconds", "Chat completion duration",
+        self.request_latency = Histogram("llmserve_gateway_request_duration_seconds", "Chat completion duration",
                                          ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("gateway_in_flight_requests", "Admitted chat completions", ["model"], registry=r)
-        self.queued = Gauge("gateway_queued_requests", "Chat completions waiting for a slot", ["model"],
+        self.in_flight = Gauge("llmserve_gateway_in_flight_requests", "Admitted chat completions", ["model"],
+                               registry=r)
+        self.queued = Gauge("llmserve_gateway_queued_requests", "Chat completions waiting for a slot", ["model"],
                             registry=r)
-        self.overload_refusals = Counter("gateway_overload_refusals", "Requests shed by the overload guard",
+        self.overload_refusals = Counter("llmserve_gateway_overload_refusals", "Requests shed by the overload guard",
                                          ["model"], registry=r)
-        self.tokens = Counter("gateway_tokens", "Tokens served", ["model", "kind"], registry=r)
+        self.tokens = Counter("llmserve_gateway_tokens", "Tokens served", ["model", "kind"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 
     def model(self, name: str) -> ModelMetrics:

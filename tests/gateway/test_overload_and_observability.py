@@ -88,13 +88,13 @@ def test_metrics_and_spans(small: GatewayHarness, spans: InMemorySpanExporter):
     assert reply.status_code == 200
     small.drain()
     text = small.http.get("/metrics").text
-    assert metric(text, "gateway_requests_total", route="/v1/chat/completions", status="200") >= 1
-    assert metric(text, "gateway_time_to_first_token_seconds_count", model="fake-model") >= 1
-    assert metric(text, "gateway_inter_token_latency_seconds_count", model="fake-model") >= 3
-    assert metric(text, "gateway_in_flight_requests", model="fake-model") == 0
-    assert "gateway_queued_requests" in text
+    assert metric(text, "llmserve_gateway_requests_total", route="/v1/chat/completions", status="200") >= 1
+    assert metric(text, "llmserve_gateway_time_to_first_token_seconds_count", model="fake-model") >= 1
+    assert metric(text, "llmserve_gateway_inter_token_latency_seconds_count", model="fake-model") >= 3
+    assert metric(text, "llmserve_gateway_in_flight_requests", model="fake-model") == 0
+    assert "llmserve_gateway_queued_requests" in text
     assert metric(text, "llmserve_gateway_ratelimit_decisions_total", result="allowed") >= 1
-    assert metric(text, "gateway_tokens_total", model="fake-model", kind="completion") >= 4
+    assert metric(text, "llmserve_gateway_tokens_total", model="fake-model", kind="completion") >= 4
 
     [span] = [s for s in spans.get_finished_spans() if s.name == "chat fake-model"]
     a = span.attributes

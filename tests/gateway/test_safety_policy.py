@@ -165,7 +165,7 @@ async def test_the_example_policy_loads_and_works():
     ("policies:\n  default:\n    rules:\n      - {name: r, kind: keyword, match: x, category: c, applies_to: [logs]}\n",
      "applies_to\\[0\\]: must be one of"),
     ("policies:\n  default:\n    rules:\n      - {name: r, kind: keyword, match: x}\n",
-     "missing 1 required positional argument: 'category'"),
+     r"missing required keys \['category'\]"),
     ("policies:\n  default:\n    rules:\n      - {name: r, kind: keyword, match: x, category: c}\n"
      "      - {name: r, kind: keyword, match: y, category: c}\n", "rules named alike: \\['r'\\]"),
     ("orgs: {org-1: strict}\n", "org-1 uses unknown policy 'strict'"),

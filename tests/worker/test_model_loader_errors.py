@@ -87,7 +87,8 @@ def test_corrupt_files(folder, file, content, message):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-    ({"hidden_size": None}, "wrong type|lacks"),
+    ({"hidden_size": None}, "hidden_size must be a positive integer, got None"),
+    ({"rms_norm_eps": "small"}, "rms_norm_eps must be a positive number"),
     ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads"),
     ({"intermediate_size": 100}, "has shape"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),

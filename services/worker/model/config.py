@@ -6,7 +6,11 @@ the KV cache sizing and the engine read it and nothing else.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
+
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "max_context_length")
 
 
 @dataclass
@@ -32,6 +36,16 @@ class ModelConfig:
     o_proj_bias: bool = False    # Llama with attention_bias
 
     def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+            setattr(self, name, int(value))
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive number, got {value!r}")
+            setattr(self, name, float(value))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:

@@ -1,0 +1,174 @@
+"""Faults of real processes: a worker SIGKILLed mid-stream behind the router, the router killed
+and restarted under the gateway. Each test leaves the platform whole again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import grpc
+import httpx
+
+from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.reliability.clients import (Admin, chat_body, chat_request, load, set_draining, sse_events,
+                                       wait_idle, wait_routable)
+
+LONG = 96   # tokens: the doomed streams are still running when their worker dies
+
+
+class SseStream:
+    """One streamed chat completion through the gateway, read in two parts."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, body: dict):
+        self.session, self.url, self.body = session, url, body
+        self.response: aiohttp.ClientResponse | None = None
+        self.text = ""
+
+    async def first_token(self) -> None:
+        self.response = await self.session.post(self.url, json=self.body)
+        assert self.response.status == 200, await self.response.text()
+        async for line in self.response.content:
+            self.text += line.decode()
+            if '"content"' in line.decode():
+                return
+        raise AssertionError(f"the stream ended before any content: {self.text}")
+
+    async def rest(self) -> list:
+        async for line in self.response.content:
+            self.text += line.decode()
+        self.response.release()
+        return sse_events(self.text)
+
+
+async def first_message(call) -> worker_pb2.GenerateResponse:
+    return await call.read()
+
+
+async def rest_of(call) -> list[worker_pb2.GenerateResponse]:
+    """The remaining messages, read with read() (a call read once cannot switch to iteration)."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+def restored(proc):
+    """Starts `proc` again after the test if the test left it dead (so later tests find it whole)."""
+    class Restore:
+        def __enter__(self):
+            return proc
+
+        def __exit__(self, *exc):
+            if not proc.alive():
+                proc.start().wait_ready()
+    return Restore()
+
+
+async def test_a_killed_worker_fails_only_its_streams_and_rejoins(platform):
+    with restored(platform.workers[0]):
+        await killed_worker_scenario(platform)
+
+
+async def killed_worker_scenario(platform):
+    w0, w1 = platform.workers
+    router = platform.router.address
+    secret = Admin(platform.gateway_url).new_org("faults-kill")[2]
+    url = platform.gateway_url + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {secret}"}
+    async with grpc.aio.insecure_channel(router) as channel, \
+            aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=180)) as session:
+        stub = worker_pb2_grpc.GenerationStub(channel)
+
+        async def pinned_to(worker, other, n):
+            """n streams (gRPC through the router, SSE through the gateway) that land on `worker`."""
+            set_draining(router, other.address, True)
+            try:
+                call = stub.Generate(chat_request(f"Tell story number {n}.", LONG, ignore_eos=True), timeout=180)
+                assert (await first_message(call)).worker == worker.address
+                sse = SseStream(session, url, chat_body(f"Tell tale number {n}.", LONG, stream=True))
+                await sse.first_token()
+            finally:
+                set_draining(router, other.address, False)
+            return call, sse
+
+        doomed_call, doomed_sse = await pinned_to(w0, w1, 1)
+        safe_call, safe_sse = await pinned_to(w1, w0, 2)
+        w0.kill()
+
+        try:
+            await asyncio.wait_for(rest_of(doomed_call), 60)
+            raise AssertionError("the stream of the killed worker ended normally")
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"worker {w0.address} failed mid-stream" in e.details()
+        events = await asyncio.wait_for(doomed_sse.rest(), 60)
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == "upstream_unavailable", events[-3:]
+        assert events[-1] == "[DONE]"
+
+        finished = await asyncio.wait_for(rest_of(safe_call), 120)
+        assert finished[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+        safe_events = await asyncio.wait_for(safe_sse.rest(), 120)
+        assert not [e for e in safe_events if isinstance(e, dict) and "error" in e]
+        assert [e for e in safe_events if isinstance(e, dict)][-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+        for i in range(3):   # new requests go to the survivor
+            async with session.post(url, json=chat_body(f"After the crash {i}", 2)) as r:
+                assert r.status == 200, await r.text()
+
+    w0.start().wait_ready()
+    wait_routable(router, w0.address)
+    before = load(w0.address).prefix_cache_queries
+    set_draining(router, w1.address, True)
+    try:
+        with httpx.Client(timeout=120, headers=headers) as http:
+            r = http.post(url, json=chat_body("Back again?", 2))
+        assert r.status_code == 200, r.text
+    finally:
+        set_draining(router, w1.address, False)
+    assert load(w0.address).prefix_cache_queries > before   # the restarted worker served it
+    for w in platform.workers:
+        wait_idle(w.address)
+
+
+async def test_router_restart_under_the_gateway(platform):
+    with restored(platform.router):
+        await router_restart_scenario(platform)
+
+
+async def router_restart_scenario(platform):
+    secret = Admin(platform.gateway_url).new_org("faults-router")[2]
+    url = platform.gateway_url + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {secret}"}
+    async with grpc.aio.insecure_channel(platform.router.address) as channel, \
+            aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        stub = worker_pb2_grpc.GenerationStub(channel)
+        assert (await rest_of(stub.Generate(chat_request("Before", 2), timeout=60)))[-1].usage.completion_tokens == 2
+
+        in_flight = SseStream(session, url, chat_body("Tell a long story.", LONG, stream=True))
+        await in_flight.first_token()
+        platform.router.kill()
+        events = await asyncio.wait_for(in_flight.rest(), 30)   # ends with an error, does not hang
+        assert [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+
+        async with session.post(url, json=chat_body("While it is down", 2)) as r:   # refused, not hung
+            assert r.status in (502, 503), await r.text()
+            assert (await r.json())["error"]["code"]
+
+        platform.router.start().wait_ready()
+        wait_routable(platform.router.address, platform.workers[0].address)
+        wait_routable(platform.router.address, platform.workers[1].address)
+        started, status = time.monotonic(), None
+        while time.monotonic() - started < 60:   # the gateway's channel reconnects by itself
+            async with session.post(url, json=chat_body("After the restart", 2)) as r:
+                status = r.status
+                if status == 200:
+                    break
+            await asyncio.sleep(0.5)
+        assert status == 200, f"the gateway never reached the restarted router (last status {status})"
+        # A gRPC client's channel opened before the restart reconnects as well.
+        replies = await rest_of(stub.Generate(chat_request("After", 2), timeout=60, wait_for_ready=True))
+        assert replies[-1].usage.completion_tokens == 2
+    for w in platform.workers:
+        wait_idle(w.address)
