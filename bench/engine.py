@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import TokenTimeline, percentile
 from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.engine.build import build_engine
 from services.worker.engine.sampling_params import SamplingParams
@@ -42,14 +43,6 @@ CORPUS = (
 ) * 80
 
 
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
-    return values[k]
-
-
 def workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """n (prompt ids, output length) pairs: prompts 20-600 tokens, outputs 16-256."""
     rng = random.Random(seed)
@@ -63,26 +56,15 @@ def workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 def run_ours(engine, requests) -> dict:
-    t0 = time.perf_counter()
-    first, last, gaps, produced = {}, {}, [], 0
+    timeline = TokenTimeline()
     for i, (ids, olen) in enumerate(requests):
         engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True))
     while engine.has_work():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for o in outputs:
-            if not o.token_ids:
-                continue
-            produced += len(o.token_ids)
-            if o.request_id not in first:
-                first[o.request_id] = now - t0
-            else:
-                gaps.append(now - last[o.request_id])
-            last[o.request_id] = now
-    elapsed = time.perf_counter() - t0
-    ttft = list(first.values())
-    return dict(tokens=produced, seconds=elapsed, tps=produced / elapsed, ttft_p50=percentile(ttft, 50),
-                ttft_p95=percentile(ttft, 95), itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
+        timeline.observe(engine.step())
+    elapsed, ttft, gaps = timeline.elapsed(), timeline.ttfts(), timeline.gaps
+    return dict(tokens=timeline.tokens, seconds=elapsed, tps=timeline.tokens / elapsed,
+                ttft_p50=percentile(ttft, 50), ttft_p95=percentile(ttft, 95),
+                itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
 
 
 def run_transformers(hf_model, requests, batch_size: int = 8, pad_id: int = 2) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
+from bench.timing import percentile
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,11 +69,6 @@ def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, *args], cwd=REPO, env={**os.environ, **env}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def direct_latency(stub, count: int) -> list[float]:
@@ -137,7 +133,7 @@ async def measure(args: argparse.Namespace, worker: str, gateway: str) -> dict:
     return {
         "requests": len(through), "stream_tokens": args.stream_tokens, "gateway_pinned_to_one_core": args.pinned,
         "latency_ms": {"direct_p50": p50_direct * 1e3, "gateway_p50": p50_gateway * 1e3,
-                       "direct_p99": percentile(direct, 0.99) * 1e3, "gateway_p99": percentile(through, 0.99) * 1e3,
+                       "direct_p99": percentile(direct, 99) * 1e3, "gateway_p99": percentile(through, 99) * 1e3,
                        "added_p50": (p50_gateway - p50_direct) * 1e3},
         "stream_chunks_per_s": {"direct": direct_rate, "gateway": gateway_rate,
                                 "gateway_over_direct": gateway_rate / direct_rate},

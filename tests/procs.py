@@ -73,13 +73,19 @@ def service(module: str, env: dict[str, str], address: str, tmp_path: Path, time
         wait_grpc_healthy(address, timeout, process, log_path)
         yield svc
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_group(process)
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 15) -> None:
+    """SIGTERM the process's group (it must have been started in a new session), then SIGKILL."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def worker_env(port: int, metrics_port: int = 0, **overrides: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from bench.gpu.harness import copy_bandwidth, device_name, markdown_table, parse_args, report, select_device
+from bench.timing import TokenTimeline, percentile
 from services.worker.config import EngineConfig, ModelSourceConfig
 
 TARGETS = {"bw_util": 0.80, "tps": 15000, "per_stream": 20, "ttft_p95": 1.0}
@@ -28,11 +29,6 @@ TARGETS = {"bw_util": 0.80, "tps": 15000, "per_stream": 20, "ttft_p95": 1.0}
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def percentile(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))] if values else float("nan")
 
 
 def decode_batch1(engine, device, prompt_len: int, steps: int) -> tuple[float, int]:
@@ -56,33 +52,23 @@ def product_workload(engine, device, n: int, prompt_len: int, out_len: int, n_sh
     from services.worker.engine.sampling_params import SamplingParams
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
-    t0 = time.perf_counter()
+    timeline = TokenTimeline()
     for i in range(n):
         ids = torch.randint(10, vocab, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"long{i}", ids, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
-    arrival, first, last, gaps, produced, steps = {}, {}, {}, [], 0, 0
+    short, steps = [], 0
     while engine.has_work():
-        if steps == min(40, out_len // 2) and n_short:
+        if steps == min(40, out_len // 2):
             for j in range(n_short):
                 ids = torch.randint(10, vocab, (32,), generator=gen).tolist()
                 engine.add_request(f"short{j}", ids, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-                arrival[f"short{j}"] = time.perf_counter()
-        outputs = engine.step()
+                timeline.arrival[f"short{j}"] = time.perf_counter()
+                short.append(f"short{j}")
+        timeline.observe(engine.step())
         steps += 1
-        now = time.perf_counter()
-        for o in outputs:
-            if not o.token_ids:
-                continue
-            produced += len(o.token_ids)
-            if o.request_id not in first:
-                first[o.request_id] = now
-            else:
-                gaps.append(now - last[o.request_id])
-            last[o.request_id] = now
-    elapsed = time.perf_counter() - t0
-    short_ttft = [first[k] - arrival[k] for k in arrival]
-    return dict(tps=produced / elapsed, seconds=elapsed, itl_p50=percentile(gaps, 50),
-                ttft_short_p95=percentile(short_ttft, 95), steps=steps)
+    elapsed = timeline.elapsed()
+    return dict(tps=timeline.tokens / elapsed, seconds=elapsed, itl_p50=percentile(timeline.gaps, 50),
+                ttft_short_p95=percentile(timeline.ttfts(short), 95), steps=steps)
 
 
 def transformers_peer(cfg, device, n: int, prompt_len: int, out_len: int, batch: int) -> dict | None:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from llmserve.metrics_http import MetricsServer
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from .pool import Worker
 
 
-class RouterMetrics:
+class RouterMetrics(MetricsServer):
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         self.routed = Counter(
             "llmserve_router_requests_total", "Requests dispatched, by worker and policy decision.",
             ["model", "worker", "decision"], registry=self.registry)
@@ -30,20 +31,10 @@ class RouterMetrics:
         self.mid_stream_failures = Counter(
             "llmserve_router_mid_stream_failures_total", "Streams ended by a worker failing after output.",
             ["model", "worker"], registry=self.registry)
-        self._http = None
 
     def watch(self, workers: Callable[[], Iterable[Worker]]) -> None:
         """Worker gauges are read from the live pool at scrape time, never kept in step by hand."""
         self.registry.register(_WorkerCollector(workers))
-
-    def serve(self, host: str, port: int) -> None:
-        if port:
-            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http = None
 
 
 class _WorkerCollector:

@@ -10,9 +10,9 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from llmserve.config import load_config
+from llmserve.metrics_http import MetricsServer
 from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.engine.async_engine import AsyncEngine
@@ -46,8 +46,8 @@ async def serve(cfg: WorkerConfig) -> None:
     await server.start()
     for service in ("", service_names[0]):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    if cfg.server.metrics_port:
-        start_http_server(cfg.server.metrics_port, addr=cfg.server.host, registry=metrics.registry)
+    metrics_server = MetricsServer(metrics.registry)
+    metrics_server.serve(cfg.server.host, cfg.server.metrics_port)
     log.info("worker %s serving model %s on %s:%d (metrics :%d)", name, model.name, cfg.server.host, port,
              cfg.server.metrics_port)
     print(f"worker ready on {cfg.server.host}:{port}", flush=True)
@@ -65,6 +65,7 @@ async def serve(cfg: WorkerConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(cfg.server.grace_period_s)
     async_engine.stop()
+    metrics_server.close()
 
 
 async def _register(cfg: WorkerConfig, port: int, model: str) -> None:

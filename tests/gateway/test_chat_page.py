@@ -3,26 +3,17 @@ stopped, and the conversation (with the stopped reply marked) resumed after a re
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
+from tests.browser import chromium
 from tests.gateway.harness import GatewayHarness
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not shutil.which(CHROMIUM):
-        pytest.fail(f"Debian's chromium is needed at {CHROMIUM} (apt-get install chromium)", pytrace=False)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
 def test_send_stream_stop_reload_resume(gateway: GatewayHarness, browser):

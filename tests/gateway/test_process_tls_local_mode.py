@@ -4,7 +4,6 @@ dev organization, key and admin token; and the configuration checks that refuse 
 from __future__ import annotations
 
 import os
-import signal
 import ssl
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from llmserve.config import ConfigError
 from services.gateway.config import GatewayConfig, apply_local_environment, validate
-from tests.procs import REPO, free_port
+from tests.procs import REPO, free_port, stop_process_group
 
 
 def self_signed(tmp: Path) -> tuple[Path, Path]:
@@ -62,12 +61,7 @@ def test_https_process_in_local_mode(tmp_path: Path, conversations_address: str)
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).raise_for_status()  # no plain HTTP here
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process)
 
 
 def test_plain_http_must_be_asked_for():

@@ -174,14 +174,15 @@ class Platform:
             p.stop()
 
 
-def launch(tmp: Path, num_workers: int = 2, num_gateways: int = 2) -> Platform:
-    """Workers, router, conversations and gateways on free ports; stop() ends them all."""
+def launch(tmp: Path, num_workers: int = 2, num_gateways: int = 2, **gateway_overrides: str) -> Platform:
+    """Workers, router, conversations and gateways on free ports; stop() ends them all.
+    gateway_overrides: LLMSERVE_GATEWAY__ settings, e.g. overload__max_in_flight_per_model="8"."""
     workers = [worker_proc(f"worker{i}", tmp) for i in range(num_workers)]
     router = router_proc(tmp, workers)
     conversations = conversations_proc(tmp)
     database = tmp / "gateway.db"
-    gateways = [gateway_proc(f"gateway{i}", tmp, router.address, conversations.address, f"sqlite:///{database}")
-                for i in range(num_gateways)]
+    gateways = [gateway_proc(f"gateway{i}", tmp, router.address, conversations.address, f"sqlite:///{database}",
+                             **gateway_overrides) for i in range(num_gateways)]
     platform = Platform(tmp, workers, router, conversations, gateways, database)
     try:
         start_all([*workers, conversations])

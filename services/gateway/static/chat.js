@@ -3,6 +3,9 @@
 // generation upstream; the gateway keeps the partial reply, so a reload shows it.
 "use strict";
 
+// A reply is capped so a small model cannot ramble to the end of its context.
+const MAX_REPLY_TOKENS = 512;
+
 const $ = (id) => document.getElementById(id);
 const state = { key: localStorage.getItem("llmserve.apiKey") || "", conversation: localStorage.getItem("llmserve.conversation") || "", abort: null };
 
@@ -98,7 +101,7 @@ async function send(text) {
   try {
     const reply = await api("/v1/chat/completions", {
       method: "POST", signal: state.abort.signal,
-      body: JSON.stringify({ model: $("model").value, stream: true, conversation_id: state.conversation, messages: [{ role: "user", content: text }] }),
+      body: JSON.stringify({ model: $("model").value, stream: true, max_completion_tokens: MAX_REPLY_TOKENS, conversation_id: state.conversation, messages: [{ role: "user", content: text }] }),
     });
     for await (const chunk of sseEvents(reply.body)) {
       if (chunk.error) throw new Error(chunk.error.message);
