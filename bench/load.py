@@ -6,7 +6,9 @@ rate for a fixed time. Arrivals do not wait for answers (open loop), so past sat
 must be shed by the gateway (429) rather than queue without bound. Per rate: TTFT p50/p95 of short
 streamed prompts, per-stream decode speed, 429 count and how fast a 429 comes back.
 
-    python -m bench.load [--rates 0.25,0.5,1,2,4,8] [--seconds 30] [--max-tokens 32] [--url URL --key KEY]
+    python -m bench.load [--rates 0.25,0.5,1,2,4,8] [--seconds 30] [--max-tokens 32]
+                         [--max-in-flight 4 --max-queued 0 --queue-timeout 0.25] [--name load]
+                         [--url URL --key KEY]
 
 With --url/--key it targets a running platform (`make run`) instead of starting one. Writes
 docs/perf/load.md (table) and docs/perf/load.png (plot). On a shared 2-core machine absolute numbers
@@ -31,8 +33,12 @@ MODEL = "smollm2-135m-instruct"
 OUT = Path(__file__).resolve().parents[1] / "docs" / "perf"
 TTFT_LIMIT_S = 1.0
 SPEED_FLOOR = 20.0     # tokens/s per stream
-GATEWAY_OVERLOAD = {"overload__max_in_flight_per_model": "8", "overload__max_queued_per_model": "4",
-                    "overload__queue_timeout_s": "1.0"}
+
+def overload_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The gateway's overload guard (LLMSERVE_GATEWAY__OVERLOAD__*): what decides who gets a 429."""
+    return {"overload__max_in_flight_per_model": str(args.max_in_flight),
+            "overload__max_queued_per_model": str(args.max_queued),
+            "overload__queue_timeout_s": str(args.queue_timeout)}
 
 
 @dataclass
@@ -188,12 +194,12 @@ def write_report(rows: list[dict], args: argparse.Namespace, elapsed_s: float) -
         f"`make bench-load` (python -m bench.load --rates {','.join(f'{r:g}' for r in args.rates)} "
         f"--seconds {args.seconds:g} --max-tokens {args.max_tokens}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{elapsed_s:.0f} s. Two SmolLM2-135M CPU workers (one torch thread each) behind the router, one gateway "
-        f"with overload guard {json.dumps({k.split('__')[1]: v for k, v in GATEWAY_OVERLOAD.items()})}. "
+        f"with overload guard {json.dumps({k.split('__')[1]: v for k, v in overload_settings(args).items()})}. "
         "Short chat prompts, streamed, greedy. The machine is a shared 2-core VM: absolute times are inflated, "
-        "compare ratios.", "", header, *[fmt_row(r) for r in rows], "", "![load](load.png)", "", *findings(rows), ""])
-    (OUT / "load.md").write_text(text)
-    (OUT / "load.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, OUT / "load.png")
+        "compare ratios.", "", header, *[fmt_row(r) for r in rows], "", f"![load]({args.name}.png)", "", *findings(rows), ""])
+    (OUT / f"{args.name}.md").write_text(text)
+    (OUT / f"{args.name}.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, OUT / f"{args.name}.png")
     print(text)
 
 
@@ -224,11 +230,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def start_platform(tmp: Path):
+def start_platform(tmp: Path, args: argparse.Namespace):
     from tests.reliability.clients import Admin
     from tests.reliability.platform import launch
 
-    platform = launch(tmp, num_workers=2, num_gateways=1, **GATEWAY_OVERLOAD)
+    platform = launch(tmp, num_workers=2, num_gateways=1, **overload_settings(args))
     return platform, Admin(platform.gateway_url).new_org("load")[2]
 
 
@@ -237,6 +243,10 @@ def main() -> None:
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 1, 2, 4, 8])
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-in-flight", type=int, default=4, help="gateway overload guard, per model")
+    parser.add_argument("--max-queued", type=int, default=0, help="gateway overload guard queue, per model")
+    parser.add_argument("--queue-timeout", type=float, default=0.25, help="seconds a queued request may wait")
+    parser.add_argument("--name", default="load", help="report name under docs/perf/ (.md, .png, .json)")
     parser.add_argument("--url", help="gateway base URL of a running platform (default: start one)")
     parser.add_argument("--key", help="API key for --url")
     args = parser.parse_args()
@@ -246,7 +256,7 @@ def main() -> None:
         if args.url:
             url, key = args.url, args.key
         else:
-            platform, key = start_platform(Path(tmp))
+            platform, key = start_platform(Path(tmp), args)
             url = platform.gateway_url
         try:
             rows = asyncio.run(run(url + "/v1/chat/completions", key, args.rates, args.seconds, args.max_tokens))

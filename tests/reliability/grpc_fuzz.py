@@ -38,41 +38,43 @@ def random_bytes(rng: random.Random) -> bytes:
     return bytes(valid)
 
 
-def random_request(rng: random.Random) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=rng.choice(["", "r", "x" * 300, "\x00id"]),
-                                 model=rng.choice(["", "", "smollm2-135m-instruct", "nope", "\x00"]),
-                                 cache_salt=rng.choice(["", "org_1", "s" * 1000]))
-    prompt = rng.randrange(4)
+def random_request(rng: random.Random, oddity: float = 0.12) -> pb.GenerateRequest:
+    """Each field odd with probability `oddity`, so a share of requests stays valid (and runs)."""
+    def odd() -> bool:
+        return rng.random() < oddity
+
+    request = pb.GenerateRequest(request_id=rng.choice(["x" * 300, "\x00id", "r"]) if odd() else "",
+                                 model=rng.choice(["nope", "\x00", ""]) if odd() else "smollm2-135m-instruct",
+                                 cache_salt=rng.choice(["org_1", "s" * 1000]) if odd() else "")
+    prompt = rng.randrange(4) if odd() else 0
     if prompt == 0:
         request.chat.CopyFrom(pb.ChatPrompt(messages=[
-            pb.ChatMessage(role=rng.choice(ODD_STRINGS[:7]), content=rng.choice(ODD_STRINGS))
-            for _ in range(rng.choice([0, 1, 2, 5]))]))
+            pb.ChatMessage(role=rng.choice(ODD_STRINGS[:7]) if odd() else "user",
+                           content=rng.choice(ODD_STRINGS) if odd() else "Say something.")
+            for _ in range(rng.choice([0, 2, 5]) if odd() else 1)]))
     elif prompt == 1:
         request.text = rng.choice(ODD_STRINGS)
     elif prompt == 2:
         request.token_ids.CopyFrom(pb.TokenIdsPrompt(ids=[rng.choice(ODD_INTS) for _ in range(rng.choice([0, 1, 3, 40]))]))
     s = request.sampling
+    s.max_tokens = rng.choice([1, 2, 4])   # accepted requests stay short: the fuzz is about refusals
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if rng.random() < 0.5:
+        if odd():
             setattr(s, name, rng.choice(ODD_FLOATS))
-    for name in ("top_k",):
-        if rng.random() < 0.5:
-            setattr(s, name, rng.choice(ODD_INTS))
+    if odd():
+        s.top_k = rng.choice(ODD_INTS)
     for name in ("max_tokens", "top_logprobs", "n", "num_speculative_tokens", "min_tokens"):
-        if rng.random() < 0.5:
-            setattr(s, name, rng.choice(ODD_UINTS))
-    if s.max_tokens == 0 or s.max_tokens > 8:
-        s.max_tokens = rng.choice([1, 2, 4])   # keep accepted requests short: the fuzz is about refusals
-    if s.n > 4 and s.n <= 16:
-        s.n = 2
-    if rng.random() < 0.3:
+        if odd():
+            setattr(s, name, rng.choice([v for v in ODD_UINTS if v <= 8 or v > 16]))
+    s.max_tokens = s.max_tokens or 1       # 0 would mean "up to the context": no long valid runs
+    if odd():
         s.seed = rng.choice([0, -1, 2**63 - 1, -2**63, 42])
-    if rng.random() < 0.3:
+    if odd():
         s.stop.extend(rng.choice(ODD_STRINGS) for _ in range(rng.choice([1, 4, 17])))
-    if rng.random() < 0.3:
+    if odd():
         s.stop_token_ids.extend(rng.choice(ODD_INTS) for _ in range(rng.choice([1, 3])))
-    s.ignore_eos = rng.random() < 0.2
-    s.logprobs = rng.random() < 0.3
+    s.ignore_eos = odd()
+    s.logprobs = odd()
     return request
 
 

@@ -143,6 +143,8 @@ def gateway_proc(name: str, tmp: Path, upstream: str, conversations: str, databa
 
 def start_all(procs: list[Proc], timeout: float = 300) -> None:
     """Starts the processes together (model loading dominates) and waits for every one."""
+    if not procs:
+        return
     for p in procs:
         p.start()
     with ThreadPoolExecutor(len(procs)) as pool:

@@ -172,3 +172,37 @@ async def router_restart_scenario(platform):
         assert replies[-1].usage.completion_tokens == 2
     for w in platform.workers:
         wait_idle(w.address)
+
+
+async def test_a_gateway_killed_during_streams_keeps_stored_conversations(platform):
+    gateway = platform.gateways[0]
+    with restored(gateway):
+        secret = Admin(gateway.address).new_org("faults-gateway")[2]
+        headers = {"Authorization": f"Bearer {secret}"}
+        with httpx.Client(base_url=gateway.address, timeout=120, headers=headers) as http:
+            cid = http.post("/v1/conversations", json={"title": "kept"}).json()["id"]
+            for turn in ("Name a bird.", "Name a tree."):
+                r = http.post("/v1/chat/completions", json={**chat_body(turn, 3), "conversation_id": cid})
+                assert r.status_code == 200, r.text
+            before = http.get(f"/v1/conversations/{cid}").json()
+        assert before["message_count"] == 4
+
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as session:
+            streams = [SseStream(session, gateway.address + "/v1/chat/completions",
+                                 {**chat_body(f"Tell a long story {i}.", LONG, stream=True), "conversation_id": cid})
+                       for i in range(2)]
+            for s in streams:
+                await s.first_token()
+            gateway.kill()
+            for s in streams:   # the clients see the connection end, not a hang
+                try:
+                    await asyncio.wait_for(s.rest(), 30)
+                except aiohttp.ClientError:
+                    pass
+        gateway.start().wait_ready()
+        with httpx.Client(base_url=gateway.address, timeout=60, headers=headers) as http:
+            after = http.get(f"/v1/conversations/{cid}").json()
+        assert after["messages"][:4] == before["messages"]        # the stored turns are intact
+        assert after["message_count"] in (4, 6, 8)                 # interrupted turns: stored whole or not at all
+    for w in platform.workers:
+        wait_idle(w.address)

@@ -53,10 +53,20 @@ def test_unknown_or_missing_sources(source, message):
         _load(source)
 
 
-def test_corrupt_gguf_and_other_files(tmp_path):
+def test_corrupt_gguf_and_other_files(tmp_path, smollm2_gguf_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
-    with pytest.raises(ValueError, match="not a readable GGUF file"):
+    with pytest.raises(ValueError, match="not a readable GGUF file.*unsupported GGUF version 0"):
         _load(tmp_path / "bad.gguf")
+    (tmp_path / "text.gguf").write_text("hello")
+    with pytest.raises(ValueError, match="bad magic"):
+        _load(tmp_path / "text.gguf")
+    with open(smollm2_gguf_path, "rb") as f:
+        (tmp_path / "truncated.gguf").write_bytes(f.read(4_000_000))   # metadata whole, tensors cut
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        _load(tmp_path / "truncated.gguf")
+    (tmp_path / "short.gguf").write_bytes(b"GGUF\x03\x00")
+    with pytest.raises(ValueError, match="malformed GGUF file"):
+        _load(tmp_path / "short.gguf")
     (tmp_path / "weights.bin").write_bytes(b"\x00" * 16)
     with pytest.raises(ValueError, match="neither a .gguf file nor a checkpoint folder"):
         _load(tmp_path / "weights.bin")
@@ -93,6 +103,7 @@ def test_corrupt_files(folder, file, content, message):
     ({"intermediate_size": 100}, "has shape"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
     ({"mlp_bias": True}, "mlp_bias is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling 'llama3' needs numbers"),
 ])
 def test_bad_config_values(folder, changes, message):
     _edit_config(folder, **changes)

@@ -23,6 +23,7 @@ def test_tiny_is_seeded_and_runs(paged_sequence):
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):
             assert not torch.equal(pa, pc), name
+    assert torch.equal(a.model.lm_head.weight_t, a.model.embed_tokens.weight.t())   # tiny is tied
     ids = a.tokenizer.encode("random weights, real tokenizer")
     logits = paged_sequence(a.model).step(ids)
     assert logits.shape == (len(ids), a.config.vocab_size) and torch.isfinite(logits).all()
@@ -36,8 +37,9 @@ def test_tiny_is_seeded_and_runs(paged_sequence):
 def test_named_shapes_on_meta_device(shape, params_billion, qkv_rows):
     loaded = _load(f"random:{shape}", device=torch.device("meta"), dtype=torch.bfloat16)
     params = dict(loaded.model.named_parameters())
-    assert sum(p.numel() for p in params.values()) / 1e9 == pytest.approx(params_billion, rel=2e-3)
-    assert params["layers.0.self_attn.qkv_proj.weight"].shape == (qkv_rows, loaded.config.hidden_size)
+    tied_copy = params["lm_head.weight_t"].numel() if loaded.config.tie_word_embeddings else 0
+    assert (sum(p.numel() for p in params.values()) - tied_copy) / 1e9 == pytest.approx(params_billion, rel=2e-3)
+    assert params["layers.0.self_attn.qkv_proj.weight_t"].shape == (loaded.config.hidden_size, qkv_rows)
     assert ("layers.0.self_attn.qkv_proj.bias" in params) == (shape == "qwen2.5-7b")
     assert len(loaded.model.layers) == loaded.config.num_layers
     assert shape in SHAPE_NAMES and loaded.config.name == f"random:{shape}"

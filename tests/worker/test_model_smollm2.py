@@ -39,7 +39,8 @@ def test_config_from_gguf(smollm2):
     c = smollm2.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert (c.intermediate_size, c.vocab_size, c.rope_theta, c.max_context_length) == (1536, 49152, 100000.0, 8192)
-    assert c.tie_word_embeddings and smollm2.model.lm_head is None
+    assert c.tie_word_embeddings
+    assert torch.equal(smollm2.model.lm_head.weight_t, smollm2.model.embed_tokens.weight.t())
     assert c.bos_token_id == 1 and c.eos_token_ids == [2]
 
 

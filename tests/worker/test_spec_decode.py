@@ -61,7 +61,7 @@ def test_speculation_with_stops_max_tokens_and_abort(smollm2, prompts, plain):
 
 
 def test_speculation_survives_preemption(smollm2, prompts, plain):
-    engine = make_engine(smollm2, num_speculative_tokens=3, num_blocks=24)
+    engine = make_engine(smollm2, num_speculative_tokens=3, num_blocks=18)
     names = ["copy", "chat0", "chat1", "chat2", "repeat"]
     out = run(engine, {n: (prompts[n], greedy(40)) for n in names})
     assert engine.scheduler.num_preemptions > 0

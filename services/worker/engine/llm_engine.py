@@ -123,8 +123,11 @@ class LLMEngine:
             if result is None:
                 continue                       # a prefill chunk: nothing sampled yet
             r.num_computed_tokens -= result.num_rejected
-            r.spec_proposed += item.num_spec_tokens
-            r.spec_accepted += len(result.token_ids) - 1 if item.num_spec_tokens else 0
+            if item.num_spec_tokens:
+                accepted = len(result.token_ids) - 1
+                r.spec_proposed += item.num_spec_tokens
+                r.spec_accepted += accepted
+                r.draft_length.record(item.num_spec_tokens, accepted)
             r.spec_token_ids = []
             if r.first_token_time is None:
                 r.first_token_time = now
@@ -160,7 +163,8 @@ class LLMEngine:
             k = self.num_speculative_tokens if k is None else k
             k = min(k, r.max_tokens - r.num_output_tokens - 1, self.limits.max_model_len - r.num_tokens - 1)
             if k > 0 and r.num_computed_tokens == r.num_tokens - 1:
-                r.spec_token_ids = self.proposer.propose(r.all_token_ids, k)
+                k = r.draft_length.next_k(k)
+                r.spec_token_ids = self.proposer.propose(r.all_token_ids, k) if k else []
 
     def stats(self) -> EngineStats:
         return EngineStats(

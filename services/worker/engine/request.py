@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.engine.sampling_params import SamplingParams
+from services.worker.spec.adaptive import AdaptiveDraftLength
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +55,7 @@ class Request:
     first_token_time: float | None = None
     spec_proposed: int = 0
     spec_accepted: int = 0
+    draft_length: AdaptiveDraftLength = field(default_factory=AdaptiveDraftLength)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

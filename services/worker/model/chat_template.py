@@ -61,5 +61,5 @@ class ChatTemplate:
         try:
             return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self._special_tokens)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template rejected the messages: {e}") from e
+        except Exception as e:  # the template is code run on the caller's messages: any failure is theirs
+            raise ValueError(f"chat template rejected the messages: {type(e).__name__}: {e}") from e

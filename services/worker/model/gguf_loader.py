@@ -25,7 +25,10 @@ from services.worker.model.gguf_file import GGUFFile
 from services.worker.model.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+_SUPPORTED_ARCHITECTURES = ("llama",)
+# Pre-tokenizers that split text as GPT-2's ByteLevel regex does. SmolLM2's "smollm" also splits
+# digits one by one, which its merges (none join two digits) make the same thing.
+_GPT2_PRE_TOKENIZERS = ("gpt2", "smollm", "default", None)
 _CONTROL_TOKEN = 3  # llama.cpp token type of special tokens
 
 _LAYER_TENSORS = {
@@ -82,8 +85,8 @@ def load_gguf(path: str | Path, read_weights: bool = True) -> Checkpoint:
         num_heads=num_heads,
         num_kv_heads=meta.get(f"{arch}.attention.head_count_kv") or num_heads,
         head_dim=meta.get(f"{arch}.attention.key_length") or hidden_size // num_heads,
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
-        rms_norm_eps=float(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=meta.get(f"{arch}.rope.freq_base") or 10000.0,
+        rms_norm_eps=meta.require(f"{arch}.attention.layer_norm_rms_epsilon"),
         max_context_length=meta.require(f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=tokenizer.bos_token_id,
@@ -91,7 +94,7 @@ def load_gguf(path: str | Path, read_weights: bool = True) -> Checkpoint:
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
     )
-    weights = _weights(gguf, config, unpermute=arch == "llama") if read_weights else None
+    weights = _weights(gguf, config) if read_weights else None
     return Checkpoint(config=config, tokenizer=tokenizer, weights=weights)
 
 
@@ -113,6 +116,10 @@ def _tokenizer(meta: _Metadata) -> Tokenizer:
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported "
                          "(only byte-level BPE, tokenizer.ggml.model = gpt2)")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in _GPT2_PRE_TOKENIZERS:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {_GPT2_PRE_TOKENIZERS}); "
+                         "load the model's Hugging Face checkpoint folder instead")
     tokens = meta.require("tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
     backend = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
@@ -127,11 +134,11 @@ def _tokenizer(meta: _Metadata) -> Tokenizer:
                      chat_template=meta.get("tokenizer.chat_template"))
 
 
-def _weights(gguf: GGUFFile, config: ModelConfig, unpermute: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in gguf.tensors:
         name = _hf_name(tensor.name)
         array = dequantize(tensor.data, tensor.type)
-        if unpermute and (".q_proj." in name or ".k_proj." in name):
+        if ".q_proj." in name or ".k_proj." in name:
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             array = _unpermute_rotary_rows(array, heads)
         yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))

@@ -105,7 +105,8 @@ def _tokenizer(folder: Path, hf: dict, tokenizer_config: dict, generation_config
 
     bos = hf.get("bos_token_id", token_id("bos_token"))
     eos: list[int] = []
-    for source in (hf.get("eos_token_id"), generation_config.get("eos_token_id"), token_id("eos_token")):
+    # tokenizer_config's eos first: chat templates see it as eos_token, as in transformers.
+    for source in (token_id("eos_token"), hf.get("eos_token_id"), generation_config.get("eos_token_id")):
         eos += source if isinstance(source, list) else [source] if source is not None else []
     return Tokenizer(backend, bos_token_id=bos, eos_token_ids=list(dict.fromkeys(eos)),
                      chat_template=_chat_template(folder, tokenizer_config))

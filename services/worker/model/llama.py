@@ -1,4 +1,4 @@
-"""The Llama architecture (also Qwen2, SmolLM2, Mistral-without-sliding-window) over a paged KV cache.
+"""The Llama architecture (SmolLM2, Llama 2/3, Qwen2 with its q/k/v biases) over a paged KV cache.
 
 Input is the flattened batch of new tokens: input_ids and positions are [T], every sequence's
 tokens one after another as AttentionMetadata describes. Q/K/V and gate/up are each one fused
@@ -26,6 +26,10 @@ from services.worker.model.rotary import RotaryEmbedding, apply_rotary
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -39,20 +43,20 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
 
 
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
-
-
 class Linear(nn.Module):
-    """y = x W^T + b, with parameters left uninitialised (nn.Linear's random init is slow and wasted)."""
+    """y = x W^T + b with W stored transposed, [in, out], and left uninitialised for the loader.
+
+    The transposed layout streams contiguous rows in a batch-1 product: on the 2-core AVX2 CPU it
+    made decode matmuls about 1.5x faster than nn.Linear's [out, in], and no slower for prefill.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
         super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
+        self.weight_t = _empty(in_features, out_features, dtype=dtype, device=device)
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
 
 class Embedding(nn.Module):
@@ -126,9 +130,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, dtype, device)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        # A tied head is the embedding matrix itself.
-        self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+        # Tied or not, the head is its own transposed matrix (a tied one is filled from the embedding):
+        # the lookup wants the embedding's rows, the product its columns.
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -143,8 +147,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -154,20 +157,25 @@ class LlamaModel(nn.Module):
         """
         params = dict(self.named_parameters())
         filled: dict[str, int] = {name: 0 for name in params}
+        tied = self.config.tie_word_embeddings
         for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints store the head anyway; the embedding is the head
-            name, rows = self._place(hf_name)
-            if name not in params:
-                raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
-            target = params[name].data[rows]
-            if target.shape != tensor.shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            target.copy_(tensor)
-            filled[name] += target.numel()
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                continue  # some tied checkpoints store the head anyway: it is the embedding
+            targets = [self._place(hf_name)]
+            if tied and hf_name == "model.embed_tokens.weight":
+                targets.append(("lm_head.weight", slice(None)))
+            for name, rows in targets:
+                transposed = name + "_t" in params   # a Linear weight, stored [in, out]
+                name = name + "_t" if transposed else name
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+                target = params[name].data[:, rows] if transposed else params[name].data[rows]
+                source = tensor.t() if transposed else tensor
+                if target.shape != source.shape:
+                    raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(target.t().shape if transposed else target.shape)}")
+                target.copy_(source)
+                filled[name] += target.numel()
         missing = [name for name, param in params.items() if filled[name] != param.numel()]
         if missing:
             raise ValueError(f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {missing[:3]}")

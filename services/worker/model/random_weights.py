@@ -57,7 +57,8 @@ def random_config(shape: str, bos_token_id: int | None, eos_token_ids: list[int]
 
 @torch.no_grad()
 def init_random(model: LlamaModel, seed: int) -> None:
-    """Norm weights 1, biases 0, everything else N(0, INIT_STD), in named_parameters order."""
+    """Norm weights 1, biases 0, everything else N(0, INIT_STD), in named_parameters order; a tied
+    head is then set to the embedding."""
     params = list(model.named_parameters())
     if not params or params[0][1].device.type == "meta":
         return
@@ -69,3 +70,5 @@ def init_random(model: LlamaModel, seed: int) -> None:
             param.zero_()
         else:
             param.normal_(0.0, INIT_STD, generator=generator)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight_t.copy_(model.embed_tokens.weight.t())

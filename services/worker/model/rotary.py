@@ -34,15 +34,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1: slow down low frequencies by `factor`, keep high ones, blend those in between."""
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type != "llama3":
         raise ValueError(f"unsupported rope_scaling type {rope_type!r} (only 'llama3' is supported)")
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
+    try:
+        factor, low_freq_factor, high_freq_factor, old_context = (float(scaling[key]) for key in _LLAMA3_KEYS)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"rope_scaling 'llama3' needs numbers {', '.join(_LLAMA3_KEYS)}; got {scaling}") from e
     low_freq_wavelen = old_context / low_freq_factor
     high_freq_wavelen = old_context / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
