@@ -6,8 +6,8 @@ rate for a fixed time. Arrivals do not wait for answers (open loop), so past sat
 must be shed by the gateway (429) rather than queue without bound. Per rate: TTFT p50/p95 of short
 streamed prompts, per-stream decode speed, 429 count and how fast a 429 comes back.
 
-    python -m bench.load [--rates 0.25,0.5,1,2,4,8] [--seconds 30] [--max-tokens 32]
-                         [--max-in-flight 4 --max-queued 0 --queue-timeout 0.25] [--name load]
+    python -m bench.load [--rates 0.5,1,2,4,8] [--seconds 20] [--max-tokens 32]
+                         [--max-in-flight 2 --max-queued 0 --queue-timeout 0.25] [--name load]
                          [--url URL --key KEY]
 
 With --url/--key it targets a running platform (`make run`) instead of starting one. Writes
@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -240,10 +239,10 @@ def start_platform(tmp: Path, args: argparse.Namespace):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 1, 2, 4, 8])
-    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1, 2, 4, 8])
+    parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-in-flight", type=int, default=4, help="gateway overload guard, per model")
+    parser.add_argument("--max-in-flight", type=int, default=2, help="gateway overload guard, per model")
     parser.add_argument("--max-queued", type=int, default=0, help="gateway overload guard queue, per model")
     parser.add_argument("--queue-timeout", type=float, default=0.25, help="seconds a queued request may wait")
     parser.add_argument("--name", default="load", help="report name under docs/perf/ (.md, .png, .json)")

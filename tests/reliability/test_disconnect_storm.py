@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import urllib.request
 from dataclasses import dataclass
 
 import aiohttp
@@ -77,6 +78,7 @@ def footprint(procs: list[Proc]) -> dict[str, dict[str, int]]:
 
 
 def assert_bounded(first: dict[str, dict[str, int]], last: dict[str, dict[str, int]]) -> None:
+    print(f"\nfootprint after the first round: {first}\nafter the last round: {last}")   # for docs/reliability.md
     for name, before in first.items():
         after = last[name]
         assert after["rss_kb"] - before["rss_kb"] < RSS_GROWTH_BOUND_KB, f"{name} memory grew: {before} -> {after}"
@@ -128,7 +130,6 @@ async def run_gateway_storm(platform: Platform, storm: Storm) -> None:
 
 
 def _metrics(base_url: str) -> str:
-    import urllib.request
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
         return r.read().decode()
 

@@ -4,6 +4,7 @@ and restarted under the gateway. Each test leaves the platform whole again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -53,16 +54,14 @@ async def rest_of(call) -> list[worker_pb2.GenerateResponse]:
     return messages
 
 
+@contextlib.contextmanager
 def restored(proc):
     """Starts `proc` again after the test if the test left it dead (so later tests find it whole)."""
-    class Restore:
-        def __enter__(self):
-            return proc
-
-        def __exit__(self, *exc):
-            if not proc.alive():
-                proc.start().wait_ready()
-    return Restore()
+    try:
+        yield proc
+    finally:
+        if not proc.alive():
+            proc.start().wait_ready()
 
 
 async def test_a_killed_worker_fails_only_its_streams_and_rejoins(platform):

@@ -14,7 +14,7 @@ at offset t % block_size; slot = block * block_size + offset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,8 @@ class AttentionMetadata:
     # Host copies, so the reference backend can plan without device syncs.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # What a backend derives from this metadata once per pass and reuses in every layer.
+    plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

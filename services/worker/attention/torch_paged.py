@@ -25,52 +25,64 @@ class TorchPagedAttention:
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan = meta.plans.get(self.name)
+        if plan is None:
+            plan = meta.plans[self.name] = _Plan(meta, query.device)
         out = torch.empty_like(query)
-        starts = _cumsum(meta.query_lens_cpu)
-        decode_seqs = [s for s, q in enumerate(meta.query_lens_cpu) if q == 1]
-        if decode_seqs:
-            rows = torch.tensor([starts[s] for s in decode_seqs], device=query.device)
-            out[rows] = self._decode(query[rows], key_cache, value_cache, meta, decode_seqs, scale)
-        for s, q_len in enumerate(meta.query_lens_cpu):
-            if q_len > 1:
-                lo, hi = starts[s], starts[s] + q_len
-                out[lo:hi] = self._extend(query[lo:hi], key_cache, value_cache, meta, s, scale)
+        flat_keys = key_cache.flatten(0, 1)                                # [slots, Hkv, D]
+        flat_values = value_cache.flatten(0, 1)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(query[plan.decode_rows], flat_keys, flat_values, plan, scale)
+        for lo, hi, slots, mask in plan.extends:
+            out[lo:hi] = _attention(query[lo:hi].transpose(0, 1), flat_keys[slots].transpose(0, 1),
+                                    flat_values[slots].transpose(0, 1), mask, scale).transpose(0, 1)
         return out
 
-    def _decode(self, query, key_cache, value_cache, meta, seqs, scale):
-        block_size = meta.block_size
-        lens = [meta.seq_lens_cpu[s] for s in seqs]
-        max_blocks = -(-max(lens) // block_size)
-        tables = meta.block_tables[seqs, :max_blocks].long()             # [B, nb]
-        keys = key_cache[tables].flatten(1, 2)                            # [B, nb*bs, Hkv, D]
-        values = value_cache[tables].flatten(1, 2)
-        length = torch.tensor(lens, device=query.device)
-        mask = torch.arange(keys.shape[1], device=query.device)[None, :] < length[:, None]
+    def _decode(self, query, flat_keys, flat_values, plan: "_Plan", scale):
+        keys = flat_keys[plan.decode_slots]                               # [B, L, Hkv, D]
+        values = flat_values[plan.decode_slots]
         # Slots past a sequence's length hold whatever the pool left there, NaN included, and a
         # masked score still multiplies its value (0 * NaN = NaN): zero them.
-        keys = keys.masked_fill(~mask[:, :, None, None], 0)
-        values = values.masked_fill(~mask[:, :, None, None], 0)
-        q = query.unsqueeze(2)                                            # [B, H, 1, D]
-        k = keys.transpose(1, 2)                                          # [B, Hkv, L, D]
-        v = values.transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+        keys = keys.masked_fill(plan.decode_pad, 0).transpose(1, 2)      # [B, Hkv, L, D]
+        values = values.masked_fill(plan.decode_pad, 0).transpose(1, 2)
+        return _attention(query.unsqueeze(2), keys, values, plan.decode_mask, scale).squeeze(2)
 
-    def _extend(self, query, key_cache, value_cache, meta, s, scale):
-        block_size = meta.block_size
-        seq_len = meta.seq_lens_cpu[s]
-        q_len = query.shape[0]
-        num_blocks = -(-seq_len // block_size)
-        table = meta.block_tables[s, :num_blocks].long()
-        keys = key_cache[table].flatten(0, 1)[:seq_len]                   # [L, Hkv, D]
-        values = value_cache[table].flatten(0, 1)[:seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(query.transpose(0, 1), keys.transpose(0, 1).to(query.dtype),
-                                           values.transpose(0, 1).to(query.dtype), attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+
+class _Plan:
+    """Gather indices and masks of one forward pass, built once and used by every layer.
+
+    Decode rows are gathered into a padded [num_decodes, max_len] view masked by length; each
+    row with several query tokens gets its own slots and a causal mask offset by its cache.
+    """
+
+    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+        bs = meta.block_size
+        starts = _cumsum(meta.query_lens_cpu)
+        tables = meta.block_tables.to(device=device, dtype=torch.long)
+        decodes = [s for s, q in enumerate(meta.query_lens_cpu) if q == 1]
+        self.decode_rows = None
+        if decodes:
+            lens = torch.tensor([meta.seq_lens_cpu[s] for s in decodes], device=device)
+            pos = torch.arange(int(lens.max()), device=device)
+            seqs = torch.tensor(decodes, device=device)
+            self.decode_rows = torch.tensor([starts[s] for s in decodes], device=device)
+            self.decode_slots = tables[seqs[:, None], pos[None, :] // bs] * bs + pos % bs
+            valid = pos[None, :] < lens[:, None]                          # [B, L]
+            self.decode_pad = ~valid[:, :, None, None]
+            self.decode_mask = valid[:, None, None, :]
+        self.extends = []
+        for s, q_len in enumerate(meta.query_lens_cpu):
+            if q_len > 1:
+                seq_len = meta.seq_lens_cpu[s]
+                pos = torch.arange(seq_len, device=device)
+                slots = tables[s, pos // bs] * bs + pos % bs
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                self.extends.append((starts[s], starts[s] + q_len, slots, pos[None, :] <= q_pos[:, None]))
+
+
+def _attention(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                          enable_gqa=True)
 
 
 def _cumsum(lengths: list[int]) -> list[int]:

@@ -62,6 +62,8 @@ class RequestOutputState:
                 r.status = status
                 break
         self.text += self.detokenizer.push(new_tokens)
+        if r.finished:
+            self.text += self.detokenizer.finish()   # bytes of a character cut off by the stop
         end = len(self.text) if r.finished else max(self.num_emitted_chars, len(self.text) - self.hold_back)
         match = self._find_stop_string()
         if match is not None:
