@@ -1,6 +1,7 @@
 """A storm of clients that go away at random points, over several rounds.
 
-After every round: nothing runs or waits on any worker and every KV block is back in the pool.
+After every round: nothing runs or waits on any worker and every KV block is back in the pool;
+after the gateway storm the gateway's and the router's in-flight counts are back to 0.
 Across rounds: the worker's (and gateway's) resident memory, threads and file descriptors stay
 within a bound of the first round's, so nothing leaks per cancelled request. CI runs a short
 storm; `make test-soak` runs the long one (marked slow).
@@ -18,7 +19,7 @@ import grpc
 import pytest
 
 from llmserve.v1 import worker_pb2_grpc
-from tests.reliability.clients import Admin, chat_body, chat_request, wait_idle
+from tests.reliability.clients import Admin, chat_body, chat_request, router_workers, wait_idle
 from tests.reliability.platform import Platform, Proc
 
 RSS_GROWTH_BOUND_KB = 96 * 1024    # allocator noise and caches warm up; a per-request leak exceeds it
@@ -127,6 +128,8 @@ async def run_gateway_storm(platform: Platform, storm: Storm) -> None:
     assert_bounded(footprints[0], footprints[-1])
     metrics = await asyncio.to_thread(_metrics, platform.gateway_url)
     assert 'gateway_in_flight_requests{model="smollm2-135m-instruct"} 0.0' in metrics
+    workers = await asyncio.to_thread(router_workers, platform.router.address)
+    assert [w.in_flight for w in workers.values()] == [0] * len(platform.workers)   # the router's own count
 
 
 def _metrics(base_url: str) -> str:

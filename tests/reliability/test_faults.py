@@ -1,5 +1,6 @@
 """Faults of real processes: a worker SIGKILLed mid-stream behind the router, the router killed
-and restarted under the gateway. Each test leaves the platform whole again."""
+and restarted under the gateway, a gateway killed during streams of a stored conversation.
+Each test leaves the platform whole again."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import aiohttp
 import grpc
 import httpx
+import pytest
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.reliability.clients import (Admin, chat_body, chat_request, load, set_draining, sse_events,
@@ -69,6 +71,13 @@ async def test_a_killed_worker_fails_only_its_streams_and_rejoins(platform):
         await killed_worker_scenario(platform)
 
 
+@pytest.mark.slow
+async def test_a_worker_killed_again_and_again_rejoins_every_time(platform):
+    with restored(platform.workers[0]):
+        for _ in range(4):
+            await killed_worker_scenario(platform)
+
+
 async def killed_worker_scenario(platform):
     w0, w1 = platform.workers
     router = platform.router.address
@@ -80,20 +89,23 @@ async def killed_worker_scenario(platform):
         stub = worker_pb2_grpc.GenerationStub(channel)
 
         async def pinned_to(worker, other, n):
-            """n streams (gRPC through the router, SSE through the gateway) that land on `worker`."""
+            """Two streams that land on `worker` (the other drained meanwhile): gRPC through the
+            router and SSE through the gateway, each past its first token."""
             set_draining(router, other.address, True)
             try:
                 call = stub.Generate(chat_request(f"Tell story number {n}.", LONG, ignore_eos=True), timeout=180)
                 assert (await first_message(call)).worker == worker.address
-                sse = SseStream(session, url, chat_body(f"Tell tale number {n}.", LONG, stream=True))
+                # The gateway has no ignore_eos: a counting task keeps the greedy reply long.
+                sse = SseStream(session, url, chat_body(f"Count from {n} to 300, one number per line.", LONG,
+                                                        stream=True))
                 await sse.first_token()
             finally:
                 set_draining(router, other.address, False)
             return call, sse
 
-        doomed_call, doomed_sse = await pinned_to(w0, w1, 1)
         safe_call, safe_sse = await pinned_to(w1, w0, 2)
-        w0.kill()
+        doomed_call, doomed_sse = await pinned_to(w0, w1, 1)
+        w0.kill()   # at once: the doomed streams have just started
 
         try:
             await asyncio.wait_for(rest_of(doomed_call), 60)
