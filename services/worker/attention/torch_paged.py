@@ -30,11 +30,12 @@ class TorchPagedAttention:
             plan = meta.plans[self.name] = _Plan(meta, query.device)
         out = torch.empty_like(query)
         if plan.decode_rows is not None:
-            keys, values = plan.gather(key_cache, value_cache, plan.decode_blocks, plan.decode_pad)
+            keys, values = plan.gather(key_cache, value_cache, plan.decode_blocks, len(plan.decode_rows),
+                                       plan.decode_pad)
             out[plan.decode_rows] = _attention(query[plan.decode_rows].unsqueeze(2), keys.transpose(1, 2),
                                                values.transpose(1, 2), plan.decode_mask, scale).squeeze(2)
         for lo, hi, blocks, seq_len, mask in plan.extends:
-            keys, values = plan.gather(key_cache, value_cache, blocks, None)
+            keys, values = plan.gather(key_cache, value_cache, blocks)
             out[lo:hi] = _attention(query[lo:hi].transpose(0, 1), keys[0, :seq_len].transpose(0, 1),
                                     values[0, :seq_len].transpose(0, 1), mask, scale).transpose(0, 1)
         return out
@@ -63,7 +64,7 @@ class _Plan:
             self.decode_blocks = torch.where(block_used, rows, rows[:, :1]).flatten()
             self.decode_rows = torch.tensor([starts[s] for s in decodes], device=device)
             valid = torch.arange(num_blocks * bs, device=device)[None, :] < lens[:, None]   # [B, L]
-            self.decode_pad = ~valid[:, :, None, None]
+            self.decode_pad = (~valid).flatten().nonzero().squeeze(1)   # positions in the [B * L] gather
             self.decode_mask = valid[:, None, None, :]
         self.extends = []
         for s, q_len in enumerate(meta.query_lens_cpu):
@@ -74,19 +75,18 @@ class _Plan:
                 self.extends.append((starts[s], starts[s] + q_len, tables[s, :-(-seq_len // bs)], seq_len, mask))
 
     @staticmethod
-    def gather(key_cache, value_cache, blocks, pad):
-        """-> keys, values [rows, tokens, Hkv, D] of the given blocks (one row unless pad is given).
+    def gather(key_cache, value_cache, blocks, rows: int = 1, pad=None):
+        """-> keys, values [rows, tokens, Hkv, D] of the given blocks.
 
         Slots past a sequence's length hold whatever the pool left there, NaN included, and a
-        masked score still multiplies its value (0 * NaN = NaN): padded slots are zeroed.
+        masked score still multiplies its value (0 * NaN = NaN): the padded positions are zeroed.
         """
-        rows = 1 if pad is None else pad.shape[0]
         out = []
         for cache in (key_cache, value_cache):
-            x = cache.index_select(0, blocks).view(rows, -1, *cache.shape[2:])
+            x = cache.index_select(0, blocks).view(-1, *cache.shape[2:])
             if pad is not None:
-                x.masked_fill_(pad, 0)
-            out.append(x)
+                x.index_fill_(0, pad, 0)
+            out.append(x.view(rows, -1, *cache.shape[2:]))
         return out
 
 
