@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 # Packages of the service that the GPU image lacks; importing any of them here is a bug.
-NOT_ON_GPU_IMAGE = ("grpc", "google.protobuf", "aiohttp", "redis", "asyncpg", "yaml", "tokenizers",
+NOT_ON_GPU_IMAGE = ("grpc", "google.protobuf", "aiohttp", "redis", "asyncpg", "yaml",
                     "gguf", "prometheus_client", "opentelemetry", "pytest")
 
 

@@ -31,6 +31,7 @@ class UpstreamConfig:
     models_cache_ttl_s: float = 10.0  # ListModels answers are reused this long
     unary_timeout_s: float = 5.0      # ListModels, Tokenize, ListWorkers
     keepalive_interval_s: float = 5.0 # SSE `: keep-alive` comment while no token arrives
+    request_timeout_s: float = 600.0  # deadline of a whole generation: a hung upstream cannot hold a request forever
 
 
 @dataclass

@@ -47,7 +47,7 @@ class Upstream:
 
     def generate(self, request: worker_pb2.GenerateRequest, metadata: list[tuple[str, str]]):
         """The streaming call; cancel() it to abort the request upstream."""
-        return self._generation.Generate(request, metadata=metadata)
+        return self._generation.Generate(request, metadata=metadata, timeout=self._cfg.request_timeout_s)
 
     async def models(self) -> dict[str, worker_pb2.ModelInfo]:
         now = time.monotonic()

@@ -15,7 +15,6 @@ import torch
 from services.worker.attention.backend import AttentionBackend
 from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
-from services.worker.model.gguf_loader import load_gguf, smollm2_gguf_path
 from services.worker.model.hf_loader import load_hf_folder
 from services.worker.model.llama import LlamaModel
 from services.worker.model.random_weights import init_random, random_config
@@ -34,15 +33,27 @@ class LoadedModel:
 @functools.cache
 def smollm2_tokenizer() -> Tokenizer:
     """SmolLM2's tokenizer, read once per process (parsing the GGUF vocabulary takes seconds)."""
+    from services.worker.model.gguf_loader import load_gguf, smollm2_gguf_path
     return load_gguf(smollm2_gguf_path(), read_weights=False).tokenizer
+
+
+def _random_model_tokenizer() -> Tokenizer:
+    """SmolLM2's vocabulary when installed, else a byte tokenizer (e.g. on the GPU benchmark image)."""
+    try:
+        return smollm2_tokenizer()
+    except (ImportError, ValueError):
+        from services.worker.model.byte_tokenizer import byte_tokenizer
+        return byte_tokenizer()
 
 
 def read_checkpoint(source: str) -> Checkpoint:
     """Config, tokenizer and (lazy) weights of a source, without building the model."""
+    # The gguf package is imported only for GGUF sources (the GPU benchmark image lacks it).
+    from services.worker.model.gguf_loader import load_gguf, smollm2_gguf_path
     if source == "smollm2":
         return load_gguf(smollm2_gguf_path())
     if source.startswith(RANDOM_PREFIX):
-        tokenizer = smollm2_tokenizer()
+        tokenizer = _random_model_tokenizer()
         config = random_config(source.removeprefix(RANDOM_PREFIX), tokenizer.bos_token_id, tokenizer.eos_token_ids)
         return Checkpoint(config=config, tokenizer=tokenizer, weights=None)
     path = Path(source)
