@@ -6,10 +6,12 @@ NOT_FOUND (never PERMISSION_DENIED, which would confirm that it exists); anythin
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from typing import Awaitable, Callable
 
+import asyncpg
 import grpc
 from llmserve.v1 import conversations_pb2 as pb
 from llmserve.v1 import conversations_pb2_grpc as pb_grpc
@@ -23,6 +25,10 @@ from .validation import InvalidArgument, RequestValidator
 log = logging.getLogger(__name__)
 
 Handler = Callable[["ConversationsServicer", object], Awaitable[object]]
+
+
+# Errors that mean the store cannot be reached (Postgres down, a dropped connection, a timeout).
+STORE_UNAVAILABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError)
 
 
 def _rpc(handler: Handler):
@@ -40,6 +46,10 @@ def _rpc(handler: Handler):
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except ConversationNotFound as e:
             code, message = grpc.StatusCode.NOT_FOUND, f"conversation {e} not found"
+        except STORE_UNAVAILABLE as e:
+            # The database is down or unreachable: retryable, unlike a bug (INTERNAL).
+            log.warning("%s: store unavailable: %s", method, e)
+            code, message = grpc.StatusCode.UNAVAILABLE, "the conversation store is unavailable; retry later"
         except Exception:
             log.exception("%s failed", method)
             code, message = grpc.StatusCode.INTERNAL, f"{method} failed; see the conversations service log"
