@@ -65,9 +65,7 @@ class ModelRunner:
 
     def _metadata(self, batch, query_lens, seq_lens, slots) -> AttentionMetadata:
         max_blocks = max(len(b.block_ids) for b in batch)
-        table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
-        for i, b in enumerate(batch):
-            table[i, :len(b.block_ids)] = torch.tensor(b.block_ids, dtype=torch.int32)
+        table = [b.block_ids + [0] * (max_blocks - len(b.block_ids)) for b in batch]   # one tensor, not one per row
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -75,7 +73,7 @@ class ModelRunner:
         return AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=self.block_size,
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
