@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +20,7 @@ from services.worker.model.tokenizer import Tokenizer
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
+TOKENIZER_THREADS = 2   # bounded: a flood of huge prompts cannot take every core from the engine
 
 
 @dataclass
@@ -46,8 +49,15 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         num_speculative_tokens=s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None)
 
 
+def encode_off_gil(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Tokenizer.encode's ids, through encode_batch: unlike encode, it releases the GIL while the
+    Rust tokenizer runs, so a huge prompt tokenized in a thread does not stall the event loop."""
+    return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
-    """The prompt of a GenerateRequest or TokenizeRequest as token ids (chat rendered first)."""
+    """The prompt of a GenerateRequest or TokenizeRequest as token ids (chat rendered first).
+    Slow for a long prompt (about 1 s a MB): call it off the event loop."""
     kind = request.WhichOneof("prompt")
     if kind == "chat":
         messages = request.chat.messages
@@ -59,11 +69,11 @@ def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
         if sum(len(m.content) for m in messages) > MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
-        return tokenizer.encode(text)
+        return encode_off_gil(tokenizer, text)
     if kind == "text":
         if len(request.text) > MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
-        return tokenizer.encode(request.text)
+        return encode_off_gil(tokenizer, request.text)
     if kind == "token_ids":
         return list(request.token_ids.ids)
     raise BadRequest("the request has no prompt (chat, text or token_ids)")
@@ -78,13 +88,29 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
         self.worker_name = worker_name
         self.metrics = metrics
         self.draining = False
+        # Tokenizing and rendering the chat template run here, never on the event loop that
+        # carries every stream of this worker.
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    async def _prompt_ids(self, request, fit_context: bool) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, self._tokenize, request, fit_context)
+
+    def _tokenize(self, request, fit_context: bool) -> list[int]:
+        """In a tokenizer thread. fit_context refuses a prompt longer than the context here, so the
+        engine's own per-token check (on the event loop) only ever sees prompts that fit."""
+        ids = prompt_token_ids(self.tokenizer, request)
+        if fit_context and len(ids) >= self.model.max_context_length:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; this model's context length is "
+                             f"{self.model.max_context_length}")
+        return ids
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         await self._check_model(request.model, context)
         try:
-            ids = prompt_token_ids(self.tokenizer, request)
+            ids = await self._prompt_ids(request, fit_context=True)
             params = sampling_from_proto(request.sampling)
             stream = self.engine.generate(ids, params, request.request_id, request.cache_salt)
             first = await anext(stream)
@@ -152,7 +178,7 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         await self._check_model(request.model, context)
         try:
-            ids = prompt_token_ids(self.tokenizer, request)
+            ids = await self._prompt_ids(request, fit_context=False)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_context_length=self.model.max_context_length)
