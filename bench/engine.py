@@ -254,7 +254,7 @@ def main() -> None:
         print(f"ratio         {ours['tps'] / theirs['tps']:.2f}x  (target >= 3x)")
         del hf
     bw = memory_bandwidth_gbs()
-    weight_bytes = sum(p.numel() * p.element_size() for p in built.loaded.model.parameters())
+    weight_bytes = built.loaded.model.decode_weight_bytes()
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     b1 = batch1_decode(engine, tokenizer, 32 if args.quick else 128)
     print(f"batch-1       {b1:.1f} tok/s ({1e3 / b1:.1f} ms/token); floor {floor_ms:.1f} ms/token = "

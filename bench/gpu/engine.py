@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                          EngineConfig(attention_backend=backend, kv_cache_memory_gb=kv_gb, max_num_seqs=n + n_short,
                                       max_num_batched_tokens=8192 if not args.smoke else 256))
     engine, cfg = built.engine, built.loaded.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in built.loaded.model.parameters())
+    weight_bytes = built.loaded.model.decode_weight_bytes()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * built.dtype.itemsize
     bw = copy_bandwidth(device, (64 if args.smoke else 4096) * 2**20)
 

@@ -23,6 +23,7 @@ class ModelSourceConfig:
     source: str = "smollm2"
     name: str = "smollm2-135m-instruct"
     dtype: str = "float32"            # float32 | bfloat16 | float16
+    quantization: str = "none"        # none | int8 (CPU, float32: int8 weights, a quarter of the bytes)
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     seed: int = 0
 
@@ -38,8 +39,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"   # auto | torch | triton
     num_speculative_tokens: int = 0   # default k; 0 disables speculative decoding
-    speculative_method: str = "ngram" # ngram | draft
-    draft_model: str = ""             # source of the draft model for speculative_method=draft
+    speculative_method: str = "ngram" # ngram | draft_model
+    draft_model: str = ""             # the draft model's source (as model.source) for draft_model
     num_threads: int = 0              # torch CPU threads; 0 leaves torch's default
 
 

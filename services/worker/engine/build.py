@@ -14,6 +14,7 @@ from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
 from services.worker.model.loader import LoadedModel, load_model
 from services.worker.sizing import kv_bytes_per_token, kv_cache_report
+from services.worker.spec.draft_model import DraftModelProposer
 from services.worker.spec.ngram import NgramProposer
 
 log = logging.getLogger(__name__)
@@ -42,31 +43,61 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
-                 loaded: LoadedModel | None = None) -> BuiltEngine:
+                 loaded: LoadedModel | None = None, draft: LoadedModel | None = None) -> BuiltEngine:
+    """loaded, draft: the target and draft models when already loaded (tests share them)."""
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype)
     attention = select_backend(engine_cfg.attention_backend, device)
     if loaded is None:
-        loaded = load_model(model_cfg.source, dtype, device, attention, seed=model_cfg.seed)
+        loaded = load_model(model_cfg.source, dtype, device, attention, seed=model_cfg.seed,
+                            quantization=model_cfg.quantization)
+    draft = load_draft(engine_cfg, loaded, draft, dtype, device, attention, model_cfg.seed)
     cfg = loaded.config
     per_block = kv_bytes_per_token(cfg, model_cfg.dtype) * engine_cfg.block_size
+    if draft is not None:   # the draft's cache has as many blocks and shares the memory budget
+        per_block += kv_bytes_per_token(draft.config, model_cfg.dtype) * engine_cfg.block_size
     num_blocks = engine_cfg.num_blocks or int(engine_cfg.kv_cache_memory_gb * 2**30 // per_block)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_context_length, cfg.max_context_length,
-                        (num_blocks - 1) * engine_cfg.block_size)
+                        (num_blocks - 1) * engine_cfg.block_size,
+                        draft.config.max_context_length if draft is not None else cfg.max_context_length)
     log.info(kv_cache_report(cfg, num_blocks, engine_cfg.block_size, model_cfg.dtype, max_model_len=max_model_len))
+    sampler = Sampler()
+    drafter = DraftModelProposer(draft.model, num_blocks, engine_cfg.block_size, sampler) if draft is not None else None
     runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
-                         engine_cfg.block_size, dtype, device, Sampler())
+                         engine_cfg.block_size, dtype, device, sampler, drafter=drafter)
     limits = EngineLimits(max_model_len=max_model_len, block_size=engine_cfg.block_size, num_blocks=num_blocks,
                           max_num_seqs=engine_cfg.max_num_seqs,
                           max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
                           enable_prefix_caching=engine_cfg.enable_prefix_caching)
-    # The proposer is always there, so a request can ask for speculation on a worker whose
-    # default k is 0.
-    if engine_cfg.speculative_method != "ngram":
-        raise ValueError(f"speculative_method {engine_cfg.speculative_method!r} is not supported yet")
-    proposer = NgramProposer()
+    # A proposer is always there, so a request can ask for speculation on a worker whose
+    # default k is 0 (a draft model therefore keeps its cache up to date in every step).
+    proposer = None if drafter else NgramProposer()
     engine = LLMEngine(limits, runner, loaded.tokenizer, cfg.vocab_size, proposer=proposer,
                        num_speculative_tokens=engine_cfg.num_speculative_tokens)
     return BuiltEngine(engine, loaded, device, dtype)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+def load_draft(engine_cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, dtype: torch.dtype,
+               device: torch.device, attention, seed: int) -> LoadedModel | None:
+    """The draft model for speculative_method draft_model (None for ngram), checked against the target."""
+    method = engine_cfg.speculative_method
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"unknown speculative_method {method!r}; expected one of {', '.join(SPECULATIVE_METHODS)}")
+    if method == "ngram":
+        return None
+    if draft is None:
+        if not engine_cfg.draft_model:
+            raise ValueError("speculative_method draft_model needs engine.draft_model: a .gguf path, "
+                             "a Hugging Face folder, 'smollm2' or 'random:<shape>'")
+        draft = load_model(engine_cfg.draft_model, dtype, device, attention, seed=seed)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the target's "
+                         f"({target.config.vocab_size}): they must share the tokenizer")
+    log.info("draft model %s: %d layers, hidden size %d", draft.config.name, draft.config.num_layers,
+             draft.config.hidden_size)
+    return draft

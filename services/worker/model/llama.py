@@ -149,6 +149,16 @@ class LlamaModel(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: everything but the embedding table (a row of it).
+
+        Counts quantized linears (which hold packed weights, not parameters) by their own report.
+        """
+        params = sum(p.numel() * p.element_size() for name, p in self.named_parameters()
+                     if not name.startswith("embed_tokens."))
+        packed = sum(m.weight_bytes() for m in self.modules() if hasattr(m, "weight_bytes"))
+        return params + packed
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be filled.

@@ -69,8 +69,14 @@ def read_checkpoint(source: str) -> Checkpoint:
                      f"a Hugging Face checkpoint folder or '{RANDOM_PREFIX}<shape>'")
 
 
+QUANTIZATIONS = ("none", "int8")
+
+
 def load_model(source: str, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, quantization: str = "none") -> LoadedModel:
+    """quantization "int8": int8 weights for CPU float32 serving (services/worker/model/int8_linear.py)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     checkpoint = read_checkpoint(source)
     model = LlamaModel(checkpoint.config, attention, dtype, torch.device(device))
     if checkpoint.weights is None:
@@ -78,4 +84,7 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, attention:
     else:
         model.load_weights(checkpoint.weights)
     model.eval()
+    if quantization == "int8":
+        from services.worker.model.int8_linear import quantize_int8
+        quantize_int8(model)
     return LoadedModel(config=checkpoint.config, model=model, tokenizer=checkpoint.tokenizer)
