@@ -21,6 +21,7 @@ from services.gateway.metering import Metering
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard
 from services.gateway.ratelimit import RateLimiter, make_rate_limiter
+from services.gateway.request_context import REQUEST_ID
 from services.gateway.safety.policy import load_safety_policy
 from services.gateway.store import Store, open_store
 from services.gateway.tracing import make_tracer_provider
@@ -101,6 +102,7 @@ async def request_context(request: web.Request, handler):
     """Request id (the caller's if sane), and requests counted by route and final status."""
     incoming = request.headers.get("x-request-id", "")
     request["request_id"] = incoming if _REQUEST_ID.match(incoming) else "req_" + secrets.token_hex(12)
+    REQUEST_ID.set(request["request_id"])
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     status = "499"
     try:

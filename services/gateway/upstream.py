@@ -3,6 +3,7 @@ Router.ListWorkers when the upstream is a router. gRPC failures become OpenAI AP
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -10,11 +11,17 @@ import grpc
 from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.gateway.config import UpstreamConfig
 from services.gateway.errors import ApiError
+from services.gateway.request_context import REQUEST_ID
 
+log = logging.getLogger(__name__)
 _MAX_MESSAGE = 64 << 20
 
 
-def api_error_from_grpc(e: grpc.aio.AioRpcError, what: str = "upstream") -> ApiError:
+def api_error_from_grpc(e: grpc.aio.AioRpcError, what: str = "model service") -> ApiError:
+    """The client's error for a failed call. Answers to the request itself (bad argument, unknown
+    model) pass through; for failures of the service or of the way to it the client gets a fixed
+    message, since gRPC's details name internal addresses ("ipv4:10.0.3.7:50051: connection
+    refused"): those go to the log with the request id."""
     code, detail = e.code(), e.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         too_long = "context" in detail.lower() or "too long" in detail.lower()
@@ -22,15 +29,15 @@ def api_error_from_grpc(e: grpc.aio.AioRpcError, what: str = "upstream") -> ApiE
                         param="messages" if too_long else None)
     if code == grpc.StatusCode.NOT_FOUND:
         return ApiError(404, detail or f"{what}: not found", code="model_not_found", param="model")
+    log.warning("request %s: %s call failed: %s %s", REQUEST_ID.get(), what, code.name, detail)
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-        return ApiError(503, f"{what} unavailable: {detail}", code="upstream_unavailable",
+        return ApiError(503, f"the {what} is unavailable; retry shortly", code="upstream_unavailable",
                         headers={"Retry-After": "1"})
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return ApiError(504, f"{what} timed out", code="upstream_timeout")
+        return ApiError(504, f"the {what} timed out", code="upstream_timeout")
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        return ApiError(501, f"{what} does not implement this: {detail}", code="not_implemented",
-                        type="server_error")
-    return ApiError(502, f"{what} failed: {code.name} {detail}", code="upstream_error", type="server_error")
+        return ApiError(501, f"the {what} does not implement this", code="not_implemented", type="server_error")
+    return ApiError(502, f"the {what} failed ({code.name})", code="upstream_error", type="server_error")
 
 
 class Upstream:

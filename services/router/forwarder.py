@@ -4,7 +4,9 @@ Invariants:
 - a request counts in its worker's in_flight from dispatch until its stream ends, fails or is
   cancelled, so a burst sees the load it is creating;
 - a request is retried on another worker only while nothing has been streamed to the caller;
-  once output went out, a failing worker ends the stream with UNAVAILABLE naming the worker;
+  once output went out, a failing worker ends the stream with UNAVAILABLE;
+- error messages to the caller name no worker address (they reach API clients through the
+  gateway); the addresses and the failure details go to the log;
 - a worker that fails a call (unreachable, connection dropped) leaves the pool at once, until
   the health checker sees it serving again;
 - the worker's own answers (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) reach the caller unchanged;
@@ -105,8 +107,10 @@ class Forwarder:
                 reason = self._failure(pool, worker, e)
                 if streamed:
                     self.metrics.mid_stream_failures.labels(pool.model, worker.address).inc()
+                    log.warning("%s: worker %s failed mid-stream: %s", request.request_id or "request",
+                                worker.address, reason)
                     raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                                     f"worker {worker.address} failed mid-stream: {reason}") from e
+                                     "the worker serving this request failed mid-stream; retry the request") from e
                 log.warning("retrying %s elsewhere: worker %s failed: %s",
                             request.request_id or "request", worker.address, reason)
                 self.metrics.retries.labels(pool.model, worker.address).inc()
@@ -115,7 +119,7 @@ class Forwarder:
                 worker.in_flight -= 1
                 if call is not None:
                     call.cancel()   # a no-op after the end; reaches the worker if our caller left
-        raise _no_worker(pool, failed)
+        raise _no_worker(pool, failed, request.request_id)
 
     async def tokenize(self, request: worker_pb2.TokenizeRequest,
                        metadata: Metadata) -> worker_pb2.TokenizeResponse:
@@ -174,6 +178,8 @@ def _with_model(request, model: str):
     return copy
 
 
-def _no_worker(pool: Pool, failed: list[str]) -> RouteError:
-    tried = f" (failed: {', '.join(failed)})" if failed else ""
-    return RouteError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker for model {pool.model}{tried}")
+def _no_worker(pool: Pool, failed: list[str], request_id: str = "") -> RouteError:
+    if failed:
+        log.warning("%s: no healthy worker for model %s; failed: %s", request_id or "request", pool.model,
+                    ", ".join(failed))
+    return RouteError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker for model {pool.model}")

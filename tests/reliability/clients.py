@@ -4,6 +4,7 @@ gateway's admin and chat APIs over HTTP."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import grpc
@@ -92,3 +93,13 @@ def sse_events(text: str) -> list[dict | str]:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+# ipv4:/ipv6:/unix: targets, dotted quads, localhost, host:port
+_ADDRESS = re.compile(r"ipv[46]:|unix:|\b\d{1,3}(?:\.\d{1,3}){3}\b|\blocalhost\b|[\w.-]+:\d{2,5}\b")
+
+
+def assert_no_address(message: str) -> None:
+    """A client-visible error message names no internal address (those belong in the logs)."""
+    assert message, "an empty error message"
+    assert not _ADDRESS.search(message), f"an internal address in a client-visible message: {message!r}"

@@ -1,6 +1,7 @@
 """Faults of real processes: a worker SIGKILLed mid-stream behind the router, the router killed
-and restarted under the gateway, a gateway killed during streams of a stored conversation.
-Each test leaves the platform whole again."""
+and restarted under the gateway, no routable worker, a gateway killed during streams of a stored
+conversation. Every error message a client sees (gRPC details, SSE error events, HTTP error
+bodies) names no internal address. Each test leaves the platform whole again."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import httpx
 import pytest
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.reliability.clients import (Admin, chat_body, chat_request, load, set_draining, sse_events,
-                                       wait_idle, wait_routable)
+from tests.reliability.clients import (Admin, assert_no_address, chat_body, chat_request, load, set_draining,
+                                       sse_events, wait_idle, wait_routable)
+from tests.reliability.platform import MODEL
 
 LONG = 96   # tokens: the doomed streams are still running when their worker dies
 
@@ -112,10 +114,12 @@ async def killed_worker_scenario(platform):
             raise AssertionError("the stream of the killed worker ended normally")
         except grpc.aio.AioRpcError as e:
             assert e.code() == grpc.StatusCode.UNAVAILABLE
-            assert f"worker {w0.address} failed mid-stream" in e.details()
+            assert "failed mid-stream" in e.details()
+            assert_no_address(e.details())
         events = await asyncio.wait_for(doomed_sse.rest(), 60)
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and errors[0]["error"]["code"] == "upstream_unavailable", events[-3:]
+        assert_no_address(errors[0]["error"]["message"])
         assert events[-1] == "[DONE]"
 
         finished = await asyncio.wait_for(rest_of(safe_call), 120)
@@ -161,11 +165,14 @@ async def router_restart_scenario(platform):
         await in_flight.first_token()
         platform.router.kill()
         events = await asyncio.wait_for(in_flight.rest(), 30)   # ends with an error, does not hang
-        assert [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors, events[-3:]
+        assert_no_address(errors[0]["error"]["message"])
 
         async with session.post(url, json=chat_body("While it is down", 2)) as r:   # refused, not hung
             assert r.status in (502, 503), await r.text()
             assert (await r.json())["error"]["code"]
+            assert_no_address((await r.json())["error"]["message"])
 
         platform.router.start().wait_ready()
         wait_routable(platform.router.address, platform.workers[0].address)
@@ -183,6 +190,28 @@ async def router_restart_scenario(platform):
         assert replies[-1].usage.completion_tokens == 2
     for w in platform.workers:
         wait_idle(w.address)
+
+
+async def test_no_routable_worker_is_a_clear_503_without_addresses(platform):
+    router = platform.router.address
+    secret = Admin(platform.gateway_url).new_org("faults-drained")[2]
+    for w in platform.workers:
+        set_draining(router, w.address, True)
+    try:
+        async with grpc.aio.insecure_channel(router) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await rest_of(worker_pb2_grpc.GenerationStub(channel).Generate(chat_request("Anyone?", 2), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == f"no healthy worker for model {MODEL}"
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {secret}"}) as http:
+            for body in (chat_body("Anyone?", 2), chat_body("Anyone?", 2, stream=True)):
+                r = http.post(platform.gateway_url + "/v1/chat/completions", json=body)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert r.json()["error"]["code"] == "upstream_unavailable"
+                assert_no_address(r.json()["error"]["message"])
+    finally:
+        for w in platform.workers:
+            set_draining(router, w.address, False)
 
 
 async def test_a_gateway_killed_during_streams_keeps_stored_conversations(platform):

@@ -134,7 +134,7 @@ async def test_a_killed_worker_ends_only_its_streams(cluster):   # last: it kill
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await read_rest(doomed_stream)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"worker {doomed.address} failed mid-stream" in failed.value.details()
+    assert "failed mid-stream" in failed.value.details() and doomed.address not in failed.value.details()
     retried = await no_token_yet
     assert retried[-1].worker != doomed.address and retried[-1].usage.prompt_tokens > 500
     rest = await read_rest(bystander_stream)

@@ -71,7 +71,7 @@ async def test_a_killed_worker_ends_only_its_streams_and_unstarted_requests_go_e
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await read_rest(doomed_stream)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"worker {doomed.address} failed mid-stream" in failed.value.details()
+    assert "failed mid-stream" in failed.value.details() and doomed.address not in failed.value.details()
     retried = await not_started
     assert retried[-1].worker == survivor.address and len(retried) == 3
     survivor.release()
