@@ -39,6 +39,10 @@ class ConversationsConfig:
     address: str = "127.0.0.1:50060"
     timeout_s: float = 5.0
     min_reply_tokens: int = 256       # room kept for the reply when trimming history
+    # A turn's append is retried on UNAVAILABLE / DEADLINE_EXCEEDED with the same idempotency key
+    # (the service stores a key once): at most append_attempts calls, append_backoff_s doubling between.
+    append_attempts: int = 4
+    append_backoff_s: float = 0.25
 
 
 @dataclass

@@ -3,13 +3,22 @@ organization's conversation is simply not found."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import grpc
 
 from llmserve.v1 import conversations_pb2 as pb
 from llmserve.v1 import conversations_pb2_grpc
 from services.gateway.config import ConversationsConfig
 from services.gateway.errors import ApiError
+from services.gateway.request_context import REQUEST_ID
 from services.gateway.upstream import api_error_from_grpc
+
+log = logging.getLogger(__name__)
+# Failures after which the append may or may not have been applied, or may work a moment later.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.ABORTED}
 
 
 def _error(e: grpc.aio.AioRpcError, conversation_id: str = "") -> ApiError:
@@ -24,6 +33,8 @@ def _error(e: grpc.aio.AioRpcError, conversation_id: str = "") -> ApiError:
 class ConversationsClient:
     def __init__(self, cfg: ConversationsConfig):
         self._timeout = cfg.timeout_s
+        self._append_attempts = max(1, cfg.append_attempts)
+        self._append_backoff_s = cfg.append_backoff_s
         self._channel = grpc.aio.insecure_channel(cfg.address)
         self._stub = conversations_pb2_grpc.ConversationsStub(self._channel)
 
@@ -44,10 +55,20 @@ class ConversationsClient:
 
     async def append(self, org_id: str, conversation_id: str, messages: list[pb.NewMessage],
                      idempotency_key: str) -> list[pb.StoredMessage]:
-        reply = await self._call(self._stub.AppendMessages, pb.AppendMessagesRequest(
-            organization_id=org_id, conversation_id=conversation_id, messages=messages,
-            idempotency_key=idempotency_key), conversation_id)
-        return list(reply.messages)
+        """Retried with bounded backoff while the failure may be transient. The service stores an
+        idempotency key once, so a retry cannot double-store, even after an attempt that was applied
+        but whose answer was lost (a timeout)."""
+        request = pb.AppendMessagesRequest(organization_id=org_id, conversation_id=conversation_id,
+                                           messages=messages, idempotency_key=idempotency_key)
+        for attempt in range(1, self._append_attempts + 1):
+            try:
+                return list((await self._stub.AppendMessages(request, timeout=self._timeout)).messages)
+            except grpc.aio.AioRpcError as e:
+                if attempt == self._append_attempts or e.code() not in _RETRYABLE:
+                    raise _error(e, conversation_id) from None
+                log.info("request %s: append to conversation %s failed (%s), attempt %d of %d; retrying",
+                         REQUEST_ID.get(), conversation_id, e.code().name, attempt, self._append_attempts)
+            await asyncio.sleep(self._append_backoff_s * 2 ** (attempt - 1))
 
     async def delete(self, org_id: str, conversation_id: str) -> None:
         await self._call(self._stub.DeleteConversation, pb.DeleteConversationRequest(

@@ -37,6 +37,9 @@ class GatewayMetrics:
         self.overload_refusals = Counter("llmserve_gateway_overload_refusals", "Requests shed by the overload guard",
                                          ["model"], registry=r)
         self.tokens = Counter("llmserve_gateway_tokens", "Tokens served", ["model", "kind"], registry=r)
+        self.conversation_store_failures = Counter(
+            "llmserve_gateway_conversation_store_failures", "Conversation turns not stored after every retry, "
+            "by the last error's code", ["code"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 
     def model(self, name: str) -> ModelMetrics:

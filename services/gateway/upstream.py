@@ -18,10 +18,10 @@ _MAX_MESSAGE = 64 << 20
 
 
 def api_error_from_grpc(e: grpc.aio.AioRpcError, what: str = "model service") -> ApiError:
-    """The client's error for a failed call. Answers to the request itself (bad argument, unknown
-    model) pass through; for failures of the service or of the way to it the client gets a fixed
-    message, since gRPC's details name internal addresses ("ipv4:10.0.3.7:50051: connection
-    refused"): those go to the log with the request id."""
+    """The client's error for a failed call. The service's own answers pass through; when the
+    service or the way to it is unavailable the client gets a fixed message, since gRPC's details
+    then name internal addresses ("failed to connect to all addresses; last error: UNKNOWN:
+    ipv4:10.0.3.7:50051: ..."): those go to the log with the request id."""
     code, detail = e.code(), e.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         too_long = "context" in detail.lower() or "too long" in detail.lower()
@@ -36,8 +36,9 @@ def api_error_from_grpc(e: grpc.aio.AioRpcError, what: str = "model service") ->
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ApiError(504, f"the {what} timed out", code="upstream_timeout")
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        return ApiError(501, f"the {what} does not implement this", code="not_implemented", type="server_error")
-    return ApiError(502, f"the {what} failed ({code.name})", code="upstream_error", type="server_error")
+        return ApiError(501, f"the {what} does not implement this: {detail}", code="not_implemented",
+                        type="server_error")
+    return ApiError(502, f"the {what} failed: {code.name} {detail}", code="upstream_error", type="server_error")
 
 
 class Upstream:

@@ -31,6 +31,7 @@ from services.gateway.overload import Overloaded
 from services.gateway.routes import read_json
 from services.gateway.sse import KEEPALIVE, EventStream, with_keepalive
 from services.gateway.tracing import grpc_metadata, set_request_attributes, set_response_attributes
+from services.gateway.turn_store import ConversationNotStored, store_turn
 from services.gateway.upstream import api_error_from_grpc
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,8 @@ async def _stream(request: web.Request, gw: Gateway, req: ChatRequest, completio
 async def _store_turn(gw: Gateway, req: ChatRequest, completion: Completion, outcome: Outcome,
                       principal: Principal) -> None:
     """Appends the new messages and the reply (choice 0) to the conversation, once; the reply is
-    marked partial unless the request ended normally. Idempotent upstream by the completion id."""
+    marked partial unless the request ended normally. Idempotent upstream by the completion id.
+    Raises ConversationNotStored (already counted and logged) when the append failed for good."""
     if not req.conversation_id or outcome.turn_stored:
         return
     if outcome.status == "error" and not completion.completion_tokens:
@@ -205,12 +207,11 @@ async def _store_turn(gw: Gateway, req: ChatRequest, completion: Completion, out
     outcome.turn_stored = True
     partial = outcome.status not in ("ok", "content_filter")
     reply = completion.choices[0].content
-    try:
-        await asyncio.shield(gw.spawn(gw.conversations.append(  # survives the client going away
-            principal.organization.id, req.conversation_id,
-            messages_to_store(req.messages, reply, req.model, partial), completion.id)))
-    except ApiError as e:
-        log.warning("could not store the reply in conversation %s: %s", req.conversation_id, e.message)
+    failure = await asyncio.shield(gw.spawn(store_turn(  # survives the client going away
+        gw, principal.organization.id, req.conversation_id,
+        messages_to_store(req.messages, reply, req.model, partial), completion.id)))
+    if failure is not None:
+        raise failure
 
 
 async def _settle(gw: Gateway, req: ChatRequest, completion: Completion, outcome: Outcome, ticket: Reservation,
@@ -218,7 +219,10 @@ async def _settle(gw: Gateway, req: ChatRequest, completion: Completion, outcome
     await gw.metering.settle(ticket, completion.id, completion.prompt_tokens, completion.completion_tokens,
                              completion.cached_tokens, outcome.status)
     gw.metrics.model(req.model).request_latency.observe(time.monotonic() - outcome.started)
-    await _store_turn(gw, req, completion, outcome, principal)
+    try:
+        await _store_turn(gw, req, completion, outcome, principal)
+    except ConversationNotStored:
+        pass   # counted and logged; nobody is left to tell
 
 
 def register(app: web.Application) -> None:
