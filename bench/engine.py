@@ -5,7 +5,7 @@
    batches of 8 on the same prompts and lengths. Output tokens/s of both and the ratio; TTFT and
    inter-token latency percentiles of ours.
 2. Batch-1 decode tokens/s against the floor set by the model's bytes over the measured memory
-   bandwidth.
+   bandwidth, with float32 weights and with int8 weights (model.quantization=int8).
 3. 16 concurrent chat streams through a real worker process over gRPC (and through
    llama-cpp-python's OpenAI server on the same GGUF when that package is installed).
 4. The product card's simulation: static against continuous batching on one length
@@ -108,6 +108,15 @@ def batch1_decode(engine, tokenizer, tokens: int = 128) -> float:
     while engine.has_work():
         produced += sum(len(o.token_ids) for o in engine.step())
     return produced / (time.perf_counter() - t0)
+
+
+def report_batch1(label: str, built, tokens: int, bandwidth_gbs: float) -> None:
+    weight_bytes = built.loaded.model.decode_weight_bytes()
+    floor_ms = weight_bytes / (bandwidth_gbs * 1e9) * 1e3
+    b1 = batch1_decode(built.engine, built.loaded.tokenizer, tokens)
+    print(f"batch-1 {label:7s} {b1:.1f} tok/s ({1e3 / b1:.1f} ms/token); floor {floor_ms:.1f} ms/token = "
+          f"{1e3 / floor_ms:.0f} tok/s ({weight_bytes / 2**20:.0f} MiB at {bandwidth_gbs:.1f} GB/s); "
+          f"{floor_ms / (1e3 / b1) * 100:.0f}% of the floor (target >= 50 tok/s)")
 
 
 async def grpc_streams(address: str, model: str, n: int, max_tokens: int) -> dict:
@@ -254,13 +263,11 @@ def main() -> None:
         print(f"ratio         {ours['tps'] / theirs['tps']:.2f}x  (target >= 3x)")
         del hf
     bw = memory_bandwidth_gbs()
-    weight_bytes = built.loaded.model.decode_weight_bytes()
-    floor_ms = weight_bytes / (bw * 1e9) * 1e3
-    b1 = batch1_decode(engine, tokenizer, 32 if args.quick else 128)
-    print(f"batch-1       {b1:.1f} tok/s ({1e3 / b1:.1f} ms/token); floor {floor_ms:.1f} ms/token = "
-          f"{1e3 / floor_ms:.0f} tok/s ({weight_bytes / 2**20:.0f} MiB at {bw:.1f} GB/s); "
-          f"{floor_ms / (1e3 / b1) * 100:.0f}% of the floor (target >= 50 tok/s)")
+    decode_tokens = 32 if args.quick else 128
+    report_batch1("float32", built, decode_tokens, bw)
     del engine, built
+    report_batch1("int8", build_engine(ModelSourceConfig(quantization="int8"), EngineConfig(num_blocks=256)),
+                  decode_tokens, bw)
     if not args.skip_grpc:
         from tests.procs import worker
         streams, max_tokens = (4, 16) if args.quick else (16, 128)

@@ -34,6 +34,8 @@ def dense_causal_attention(batch, scale: float) -> torch.Tensor:
 CASES = {
     # (cached, new) per sequence
     "decode": [(15, 1), (32, 1), (0, 1), (47, 1)],
+    # lengths spread widely: decode rows fall into the capped number of length groups
+    "decode_spread": [(150, 1), (2, 1), (44, 1), (8, 1), (90, 1), (0, 1), (20, 1)],
     "prefill": [(0, 9), (0, 33)],
     "mixed": [(37, 1), (0, 17), (20, 13), (50, 1), (40, 4)],  # decode, prefill, chunk, verify
     "verify": [(45, 4), (12, 4), (31, 4)],
@@ -90,3 +92,14 @@ def test_batches_scatter_blocks_and_share_the_prefix():
     assert own != sorted(own) and len(own) == len(set(own))
     last = tables[0, lens[0] // 16]
     assert torch.isnan(batch.key_cache[last, lens[0] % 16:]).all()
+
+
+def test_decode_rows_are_grouped_by_similar_length_up_to_a_cap():
+    batch = make_batch(CASES["decode_spread"], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.25)
+    groups = batch.meta.plans["torch"].decode_groups
+    lens = batch.meta.seq_lens_cpu
+    assert len(groups) == 4
+    assert sorted(int(r) for rows, *_ in groups for r in rows) == list(range(len(lens)))
+    firsts = [lens[int(rows[0])] for rows, *_ in groups]
+    assert firsts == sorted(firsts)   # each group holds a run of the sorted lengths

@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: the CPU path and the reference for the Triton kernels.
 
-Decode rows (one query token) are computed together: their blocks are gathered into a padded
-[num_decodes, max_len] view and masked by length. Rows with several query tokens (prefill,
+Decode rows (one query token) are computed in a few groups of similar length: each group's blocks
+are gathered into a padded [rows, max_len] view and masked by length. Rows with several query tokens (prefill,
 chunked prefill, speculative verification) are computed one sequence at a time with a causal
 mask offset by the tokens already in the cache.
 """
@@ -29,11 +29,10 @@ class TorchPagedAttention:
         if plan is None:
             plan = meta.plans[self.name] = _Plan(meta, query.device)
         out = torch.empty_like(query)
-        if plan.decode_rows is not None:
-            keys, values = plan.gather(key_cache, value_cache, plan.decode_blocks, len(plan.decode_rows),
-                                       plan.decode_pad)
-            out[plan.decode_rows] = _attention(query[plan.decode_rows].unsqueeze(2), keys.transpose(1, 2),
-                                               values.transpose(1, 2), plan.decode_mask, scale).squeeze(2)
+        for rows, blocks, pad, mask in plan.decode_groups:
+            keys, values = plan.gather(key_cache, value_cache, blocks, len(rows), pad)
+            out[rows] = _attention(query[rows].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                   mask, scale).squeeze(2)
         for lo, hi, blocks, seq_len, mask in plan.extends:
             keys, values = plan.gather(key_cache, value_cache, blocks)
             out[lo:hi] = _attention(query[lo:hi].transpose(0, 1), keys[0, :seq_len].transpose(0, 1),
@@ -45,7 +44,7 @@ class _Plan:
     """Gather indices and masks of one forward pass, built once and used by every layer.
 
     Whole blocks are gathered with index_select (several times faster on CPU than gathering
-    token slots). Decode rows share one padded [num_decodes, max_len] view masked by length;
+    token slots). Decode rows of similar length share a padded [rows, max_len] view masked by length;
     each row with several query tokens gets its blocks and a causal mask offset by its cache.
     """
 
@@ -53,19 +52,9 @@ class _Plan:
         bs = meta.block_size
         starts = _cumsum(meta.query_lens_cpu)
         tables = meta.block_tables.to(device=device, dtype=torch.long)
-        decodes = [s for s, q in enumerate(meta.query_lens_cpu) if q == 1]
-        self.decode_rows = None
-        if decodes:
-            lens = torch.tensor([meta.seq_lens_cpu[s] for s in decodes], device=device)
-            num_blocks = -(-int(lens.max()) // bs)
-            rows = tables[torch.tensor(decodes, device=device), :num_blocks]
-            block_used = torch.arange(num_blocks, device=device)[None, :] * bs < lens[:, None]
-            # Table padding points at the row's own first block: real data, never out of range.
-            self.decode_blocks = torch.where(block_used, rows, rows[:, :1]).flatten()
-            self.decode_rows = torch.tensor([starts[s] for s in decodes], device=device)
-            valid = torch.arange(num_blocks * bs, device=device)[None, :] < lens[:, None]   # [B, L]
-            self.decode_pad = (~valid).flatten().nonzero().squeeze(1)   # positions in the [B * L] gather
-            self.decode_mask = valid[:, None, None, :]
+        decodes = sorted((s for s, q in enumerate(meta.query_lens_cpu) if q == 1), key=meta.seq_lens_cpu.__getitem__)
+        self.decode_groups = [self._decode_group(group, meta, tables, starts, device)
+                              for group in _similar_lengths(decodes, meta.seq_lens_cpu)]
         self.extends = []
         for s, q_len in enumerate(meta.query_lens_cpu):
             if q_len > 1:
@@ -73,6 +62,21 @@ class _Plan:
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
                 self.extends.append((starts[s], starts[s] + q_len, tables[s, :-(-seq_len // bs)], seq_len, mask))
+
+    @staticmethod
+    def _decode_group(seqs: list[int], meta: AttentionMetadata, tables: torch.Tensor, starts: list[int],
+                      device: torch.device):
+        """-> (query rows, blocks to gather, padded positions to zero, mask) of decode sequences."""
+        bs = meta.block_size
+        lens = torch.tensor([meta.seq_lens_cpu[s] for s in seqs], device=device)
+        num_blocks = -(-int(lens.max()) // bs)
+        rows = tables[torch.tensor(seqs, device=device), :num_blocks]
+        block_used = torch.arange(num_blocks, device=device)[None, :] * bs < lens[:, None]
+        # Table padding points at the row's own first block: real data, never out of range.
+        blocks = torch.where(block_used, rows, rows[:, :1]).flatten()
+        valid = torch.arange(num_blocks * bs, device=device)[None, :] < lens[:, None]   # [B, L]
+        pad = (~valid).flatten().nonzero().squeeze(1)    # positions in the [B * L] gather
+        return torch.tensor([starts[s] for s in seqs], device=device), blocks, pad, valid[:, None, None, :]
 
     @staticmethod
     def gather(key_cache, value_cache, blocks, rows: int = 1, pad=None):
@@ -93,6 +97,21 @@ class _Plan:
 def _attention(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
                                           enable_gqa=True)
+
+
+def _similar_lengths(seqs: list[int], seq_lens: list[int], max_groups: int = 4) -> list[list[int]]:
+    """Split sequences sorted by length into at most max_groups runs, each padded to its own longest.
+
+    One padded batch of mixed lengths gathers and attends over max_len per row; cutting where
+    lengths jump by half bounds the padding, and the cap bounds the extra launches per layer.
+    """
+    groups: list[list[int]] = []
+    for s in seqs:
+        if groups and (seq_lens[s] <= 1.5 * seq_lens[groups[-1][0]] or len(groups) == max_groups):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
 
 
 def _cumsum(lengths: list[int]) -> list[int]:
