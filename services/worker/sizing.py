@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from services.worker.model.config import ModelConfig
+from services.worker.model.shapes import NAMED_SHAPES
+
 GIB = 1 << 30
 
 DTYPE_BYTES: dict[str, float] = {
@@ -116,15 +119,16 @@ class ModelShape:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
+    @classmethod
+    def of(cls, config: ModelConfig) -> ModelShape:
+        return cls(name=config.name, num_layers=config.num_layers, hidden_size=config.hidden_size,
+                   num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                   intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+                   max_context_length=config.max_context_length, head_dim=config.head_dim,
+                   tie_word_embeddings=config.tie_word_embeddings)
 
-SHAPES: dict[str, ModelShape] = {s.name: s for s in (
-    ModelShape("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
-    ModelShape("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
-    ModelShape("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    ModelShape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    ModelShape("smollm2-135m", 30, 576, 9, 3, 1536, 49152, 8192, tie_word_embeddings=True),
-)}
+
+SHAPES: dict[str, ModelShape] = {name: ModelShape.of(config) for name, config in NAMED_SHAPES.items()}
 
 
 def dtype_bytes(dtype: str, allowed: tuple[str, ...] = tuple(DTYPE_BYTES)) -> float:
