@@ -114,6 +114,11 @@ def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "
     gateway.conversations.address = conversations_address
     gateway.local_mode.enabled = True
     gateway.database.url = database_url or f"sqlite:///{var_dir / 'gateway.db'}"
+    # CPU workers: admitted TTFT stays within 2x of unloaded only at about one stream per worker
+    # (docs/perf/load.md); a short queue lets a second chat wait a moment instead of failing at once.
+    overload = gateway.overload
+    overload.max_in_flight_per_worker, overload.min_in_flight_per_model = 1, 1
+    overload.max_in_flight_per_model, overload.max_queued_per_model, overload.queue_timeout_s = 4, 2, 2.0
     if redis_url:
         gateway.rate_limit.backend, gateway.rate_limit.redis_url = "redis", redis_url
     url = f"http://{HOST}:{port}"

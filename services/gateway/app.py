@@ -20,6 +20,7 @@ from services.gateway.errors import error_middleware
 from services.gateway.metering import Metering
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard
+from services.gateway.pool_watch import PoolWatch
 from services.gateway.ratelimit import RateLimiter, make_rate_limiter
 from services.gateway.request_context import REQUEST_ID
 from services.gateway.safety.policy import load_safety_policy
@@ -46,6 +47,7 @@ class Gateway:
     tracer_provider: TracerProvider
     background: set[asyncio.Task] = field(default_factory=set)
     started_at: int = field(default_factory=lambda: int(time.time()))
+    pool_watch: PoolWatch | None = None   # feeds the overload guard when its limit follows the pool
 
     @property
     def tracer(self):
@@ -77,10 +79,15 @@ async def open_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | Non
                  metrics=metrics, tracer_provider=tracer_provider or make_tracer_provider(cfg.tracing))
     if cfg.local_mode.enabled:
         await ensure_dev_key(store, cfg.local_mode.organization, cfg.local_mode.api_key)
+    if cfg.overload.max_in_flight_per_worker > 0:
+        gw.pool_watch = PoolWatch(gw.upstream, gw.overload, cfg.overload.workers_poll_s)
+        gw.pool_watch.start()
     return gw
 
 
 async def close_gateway(gw: Gateway) -> None:
+    if gw.pool_watch is not None:
+        await gw.pool_watch.close()
     await gw.drain()
     await gw.upstream.close()
     await gw.conversations.close()

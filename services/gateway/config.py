@@ -59,7 +59,14 @@ class AuthConfig:
 
 @dataclass
 class OverloadConfig:
+    # The in-flight limit of a model: max_in_flight_per_worker x its routable workers (the router's
+    # ListWorkers, polled every workers_poll_s; one worker when the upstream is a worker), kept within
+    # [min_in_flight_per_model, max_in_flight_per_model]. 0: a fixed max_in_flight_per_model.
+    # Per gateway replica: with N replicas a worker may get N x max_in_flight_per_worker.
+    max_in_flight_per_worker: int = 0
+    min_in_flight_per_model: int = 1
     max_in_flight_per_model: int = 64
+    workers_poll_s: float = 2.0
     max_queued_per_model: int = 32
     queue_timeout_s: float = 2.0      # a queued request waiting longer is refused
     refuse_status: int = 429          # 429 or 503
@@ -120,5 +127,10 @@ def validate(cfg: GatewayConfig) -> None:
                           "or server.plain_http: true to serve plain HTTP")
     if cfg.overload.refuse_status not in (429, 503):
         raise ConfigError("overload.refuse_status must be 429 or 503")
-    if cfg.overload.max_in_flight_per_model < 1 or cfg.overload.max_queued_per_model < 0:
-        raise ConfigError("overload: max_in_flight_per_model >= 1 and max_queued_per_model >= 0")
+    overload = cfg.overload
+    if not 1 <= overload.min_in_flight_per_model <= overload.max_in_flight_per_model:
+        raise ConfigError("overload: 1 <= min_in_flight_per_model <= max_in_flight_per_model")
+    if overload.max_in_flight_per_worker < 0 or overload.max_queued_per_model < 0:
+        raise ConfigError("overload: max_in_flight_per_worker >= 0 and max_queued_per_model >= 0")
+    if overload.workers_poll_s <= 0:
+        raise ConfigError("overload.workers_poll_s must be > 0")

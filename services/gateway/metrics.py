@@ -34,6 +34,8 @@ class GatewayMetrics:
                                registry=r)
         self.queued = Gauge("llmserve_gateway_queued_requests", "Chat completions waiting for a slot", ["model"],
                             registry=r)
+        self.overload_limit = Gauge("llmserve_gateway_overload_limit", "In-flight limit of the overload guard",
+                                    ["model"], registry=r)
         self.overload_refusals = Counter("llmserve_gateway_overload_refusals", "Requests shed by the overload guard",
                                          ["model"], registry=r)
         self.tokens = Counter("llmserve_gateway_tokens", "Tokens served", ["model", "kind"], registry=r)

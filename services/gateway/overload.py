@@ -1,14 +1,19 @@
-"""Load shedding: per model, at most N requests in flight and a short bounded queue behind them.
+"""Load shedding: per model, at most `limit` requests in flight and a short bounded queue behind them.
 
 Past the queue, or after queue_timeout_s in it, a request is refused at once (429 or 503 with
 Retry-After), so the admitted ones keep their latency while the excess goes elsewhere.
+
+The limit follows the pool: max_in_flight_per_worker x the model's routable workers (set_workers,
+fed by pool_watch.py), within [min_in_flight_per_model, max_in_flight_per_model]; with
+max_in_flight_per_worker 0 it is max_in_flight_per_model. Each gateway replica applies it alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
 
 from services.gateway.config import OverloadConfig
 from services.gateway.errors import ApiError
@@ -20,10 +25,44 @@ class Overloaded(ApiError):
 
 
 class _ModelGate:
-    def __init__(self, max_in_flight: int):
-        self.slots = asyncio.Semaphore(max_in_flight)
+    """In-flight requests against a limit that may change; waiters get slots first come, first served.
+    Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
         self.in_flight = 0
-        self.queued = 0
+        self.waiters: deque[asyncio.Future] = deque()
+
+    def try_enter(self) -> bool:
+        if self.waiters or self.in_flight >= self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    async def wait(self, timeout: float) -> None:
+        """Waits for a slot; raises TimeoutError after `timeout` holding none."""
+        slot = asyncio.get_running_loop().create_future()
+        self.waiters.append(slot)
+        try:
+            await asyncio.wait_for(slot, timeout)
+        except BaseException:
+            if slot.done() and not slot.cancelled():
+                self.leave()          # granted just as we gave up: hand it on
+            raise
+        finally:
+            if slot in self.waiters:
+                self.waiters.remove(slot)
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        self.wake()
+
+    def wake(self) -> None:
+        while self.waiters and self.in_flight < self.limit:
+            slot = self.waiters.popleft()
+            if not slot.done():
+                self.in_flight += 1
+                slot.set_result(None)
 
 
 class OverloadGuard:
@@ -31,6 +70,33 @@ class OverloadGuard:
         self._cfg = cfg
         self._metrics = metrics
         self._gates: dict[str, _ModelGate] = {}
+        self._workers: Mapping[str, int] = {}
+        self._default_workers = 0     # for a model the pool view does not list
+
+    def limit(self, model: str) -> int:
+        cfg = self._cfg
+        if cfg.max_in_flight_per_worker <= 0:
+            return cfg.max_in_flight_per_model
+        workers = self._workers.get(model, self._default_workers)
+        return min(max(cfg.max_in_flight_per_worker * workers, cfg.min_in_flight_per_model),
+                   cfg.max_in_flight_per_model)
+
+    def set_workers(self, workers: Mapping[str, int], default: int = 0) -> None:
+        """The routable workers of each model (`default` for the others); limits follow at once."""
+        self._workers, self._default_workers = dict(workers), default
+        for model in set(self._gates) | set(workers):
+            self._gate(model)
+        for model, gate in self._gates.items():
+            gate.limit = self.limit(model)
+            self._metrics.overload_limit.labels(model=model).set(gate.limit)
+            gate.wake()
+
+    def _gate(self, model: str) -> _ModelGate:
+        gate = self._gates.get(model)
+        if gate is None:
+            gate = self._gates[model] = _ModelGate(self.limit(model))
+            self._metrics.overload_limit.labels(model=model).set(gate.limit)
+        return gate
 
     def _refusal(self, model: str, why: str) -> Overloaded:
         self._metrics.overload_refusals.labels(model=model).inc()
@@ -41,28 +107,22 @@ class OverloadGuard:
 
     @asynccontextmanager
     async def admit(self, model: str) -> AsyncIterator[None]:
-        gate = self._gates.get(model)
-        if gate is None:
-            gate = self._gates[model] = _ModelGate(self._cfg.max_in_flight_per_model)
-        if gate.slots.locked():
-            if gate.queued >= self._cfg.max_queued_per_model:
+        gate = self._gate(model)
+        if not gate.try_enter():
+            if len(gate.waiters) >= self._cfg.max_queued_per_model:
                 raise self._refusal(model, "queue full")
-            gate.queued += 1
-            self._metrics.queued.labels(model=model).set(gate.queued)
+            queued = self._metrics.queued.labels(model=model)
+            queued.inc()
             try:
-                await asyncio.wait_for(gate.slots.acquire(), self._cfg.queue_timeout_s)
+                await gate.wait(self._cfg.queue_timeout_s)
             except TimeoutError:
                 raise self._refusal(model, "queue timeout") from None
             finally:
-                gate.queued -= 1
-                self._metrics.queued.labels(model=model).set(gate.queued)
-        else:
-            await gate.slots.acquire()
-        gate.in_flight += 1
-        self._metrics.in_flight.labels(model=model).set(gate.in_flight)
+                queued.dec()
+        in_flight = self._metrics.in_flight.labels(model=model)
+        in_flight.set(gate.in_flight)
         try:
             yield
         finally:
-            gate.in_flight -= 1
-            self._metrics.in_flight.labels(model=model).set(gate.in_flight)
-            gate.slots.release()
+            gate.leave()
+            in_flight.set(gate.in_flight)

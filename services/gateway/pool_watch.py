@@ -1,0 +1,57 @@
+"""The overload guard's view of the pool: how many workers of each model are routable (healthy,
+not drained by the admin, not shutting down), polled from the router's ListWorkers.
+
+An upstream that is a single worker (no Router service) counts as one worker per model. A failed
+poll keeps the last counts: while the router is unreachable requests fail on their own anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+from services.gateway.errors import ApiError
+from services.gateway.overload import OverloadGuard
+from services.gateway.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class PoolWatch:
+    def __init__(self, upstream: Upstream, guard: OverloadGuard, interval_s: float):
+        self._upstream = upstream
+        self._guard = guard
+        self._interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def poll(self) -> bool:
+        """One poll; False when there is nothing to poll (the upstream is a worker)."""
+        try:
+            workers = await self._upstream.list_workers()
+        except ApiError as e:
+            if e.status == 501:
+                self._guard.set_workers({}, default=1)
+                return False
+            return True       # logged by the upstream client
+        routable = Counter({w.model: 0 for w in workers})
+        routable.update(w.model for w in workers if w.healthy and not w.draining and not w.load.draining)
+        self._guard.set_workers(routable)
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if not await self.poll():
+                    return
+            except Exception:
+                log.exception("polling the router's workers failed")
+            await asyncio.sleep(self._interval_s)
