@@ -35,35 +35,38 @@ class HealthChecker:
 
     async def check(self, worker: Worker) -> None:
         try:
-            healthy = await self._probe(worker)
+            load = await self._probe(worker)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
-            healthy = False
+            load = None
             if worker.healthy:
                 log.warning("worker %s failed its check: %s", worker.address, _describe(e))
         pool = self.registry.pool(worker.model)
         if pool is None or pool.workers.get(worker.address) is not worker:
             return   # removed while we asked
+        healthy = load is not None
+        if healthy:
+            pool.observe_load(worker, load)
         if healthy != worker.healthy:
             log.info("worker %s (%s) is %s", worker.address, worker.model,
                      "healthy" if healthy else "unhealthy")
         pool.set_healthy(worker, healthy)
 
-    async def _probe(self, worker: Worker) -> bool:
+    async def _probe(self, worker: Worker) -> worker_pb2.LoadReport | None:
+        """The worker's load report, or None when it is not fit to serve the pool's model."""
         timeout = self.config.timeout_s
         reply = await health_pb2_grpc.HealthStub(worker.channel).Check(
             health_pb2.HealthCheckRequest(service=self.config.service), timeout=timeout)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return False
+            return None
         if worker.model_info is None:
             models = await worker.stub.ListModels(worker_pb2.ListModelsRequest(), timeout=timeout)
             info = next((m for m in models.models if m.name == worker.model), None)
             if info is None:
                 log.error("worker %s serves %s, not %s: kept out of the pool", worker.address,
                           [m.name for m in models.models], worker.model)
-                return False
+                return None
             worker.model_info = info
-        worker.load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
-        return True
+        return await worker.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
 
 
 def _describe(error: Exception) -> str:

@@ -48,8 +48,13 @@ class LeastLoadedPolicy(Policy):
 
 
 class CacheAwarePolicy(Policy):
-    """SGLang's cache-aware routing: balance first, then prefix affinity, then the least loaded.
-    The chosen worker is remembered as holding the request's blocks."""
+    """SGLang's cache-aware routing: prefix affinity unless it overloads, else the least loaded.
+    The chosen worker is remembered as holding the request's blocks.
+
+    Unlike SGLang, imbalance is judged for the worker affinity picked, not across the pool: one hot
+    worker must not cost every other worker's conversations their cache (SGLang then sends all
+    requests to the least loaded). A miss goes to the least loaded anyway.
+    """
 
     def __init__(self, config: PolicyConfig):
         self.config = config
@@ -60,17 +65,22 @@ class CacheAwarePolicy(Policy):
         return choice
 
     def _pick(self, pool: Pool, candidates: list[Worker], hashes: list[int]) -> Choice:
-        loads = [w.load_score for w in candidates]
-        high, low = max(loads), min(loads)
-        if high - low > self.config.balance_abs_threshold and high > self.config.balance_rel_threshold * low:
-            return Choice(least_loaded(pool, candidates), "imbalanced")
         matched = {w: pool.prefixes.match(w.address, hashes) for w in candidates}
         best = max(matched.values())
         if hashes and best / len(hashes) > self.config.cache_threshold:
-            holders = [w for w in candidates if matched[w] == best]
-            return Choice(least_loaded(pool, holders), "cache_hit", best)
+            holder = least_loaded(pool, [w for w in candidates if matched[w] == best])
+            if not self._overloaded(holder, candidates):
+                return Choice(holder, "cache_hit", best)
+            worker = least_loaded(pool, candidates)
+            return Choice(worker, "imbalanced", matched[worker])
         worker = least_loaded(pool, candidates)
         return Choice(worker, "cache_miss", matched[worker])
+
+    def _overloaded(self, worker: Worker, candidates: list[Worker]) -> bool:
+        """SGLang's test, (load - min) > abs and load > rel * min, for this worker's load."""
+        low = min(w.load_score for w in candidates)
+        load = worker.load_score
+        return load - low > self.config.balance_abs_threshold and load > self.config.balance_rel_threshold * low
 
 
 def make_policy(config: PolicyConfig) -> Policy:

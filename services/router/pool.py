@@ -1,8 +1,11 @@
 """The router's view of its workers: one pool per model, each worker with its live state.
 
 A worker stays listed while it is unhealthy (for the admin view) but takes no requests until its
-health check passes again; going unhealthy forgets its prefix memory, since a worker that failed
-may have restarted with an empty cache.
+health check passes again. Its prefix memory outlives that: a busy worker that misses a check, or a
+call cut off, still holds its cache. The memory is forgotten when the worker is seen to have
+restarted (its cumulative prefix-cache counter went backwards) or leaves the pool. A restart not
+caught that way (other routers' traffic pushed the new counter past the old) costs cache misses
+until the memory's LRU catches up, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -84,9 +87,16 @@ class Pool:
 
     def set_healthy(self, worker: Worker, healthy: bool) -> None:
         if not healthy:
-            self.prefixes.drop(worker.address)
             worker.model_info = None   # it may come back as something else
         worker.healthy = healthy
+
+    def observe_load(self, worker: Worker, report: worker_pb2.LoadReport) -> None:
+        """Takes the worker's latest load report: a restart empties its prefix memory, and the
+        memory never outgrows the worker's KV cache (the workers' blocks, as many as it reports)."""
+        if report.prefix_cache_queries < worker.load.prefix_cache_queries:
+            self.prefixes.drop(worker.address)
+        self.prefixes.set_limit(worker.address, report.kv_blocks_total)
+        worker.load = report
 
 
 class WorkerRegistry:

@@ -3,7 +3,9 @@
 A routing key (prompt text, salted) is cut into fixed-size character blocks, each hashed together
 with its parent's hash like a prefix cache, so block i's hash stands for the whole prefix up to i.
 A worker's score for a request is the run of leading blocks it holds over the request's block count.
-It approximates the worker's real prefix cache: it never sees the worker's evictions, only its own.
+It approximates the worker's real prefix cache: it never sees the worker's evictions, only its own,
+so each worker's memory is capped at the KV blocks the worker reports (a block of `block_chars`
+characters is about one KV block of tokens) and the LRU forgets about when the cache must have.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ def block_hashes(key: str, salt: str, block_chars: int) -> list[int]:
 
 
 class PrefixIndex:
-    """Block hashes held per worker, each worker bounded to `max_blocks` in LRU order."""
+    """Block hashes held per worker in LRU order, each worker bounded to `max_blocks` and to the
+    limit set for it (its cache's size)."""
 
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
         self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._limits: dict[str, int] = {}
 
     def match(self, worker: str, hashes: list[int]) -> int:
         """How many leading blocks of `hashes` the worker holds."""
@@ -62,11 +66,22 @@ class PrefixIndex:
         for h in reversed(hashes):
             held[h] = None
             held.move_to_end(h)
-        while len(held) > self.max_blocks:
+        self._trim(worker)
+
+    def set_limit(self, worker: str, blocks: int) -> None:
+        """Caps the worker's memory at `blocks` (0: unknown, only max_blocks applies)."""
+        self._limits[worker] = blocks
+        self._trim(worker)
+
+    def _trim(self, worker: str) -> None:
+        held = self._blocks.get(worker)
+        limit = min(self.max_blocks, self._limits.get(worker) or self.max_blocks)
+        while held and len(held) > limit:
             held.popitem(last=False)
 
     def drop(self, worker: str) -> None:
         self._blocks.pop(worker, None)
+        self._limits.pop(worker, None)
 
     def size(self, worker: str) -> int:
         return len(self._blocks.get(worker, ()))

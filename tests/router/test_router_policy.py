@@ -1,5 +1,7 @@
 from collections import Counter
 
+from llmserve.v1 import worker_pb2
+
 from services.router.config import PolicyConfig
 from services.router.policy import CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy, make_policy
 from services.router.pool import Pool, Worker
@@ -51,6 +53,16 @@ def test_imbalance_overrides_affinity():
     assert route(policy, pool, text).worker is overflow.worker
 
 
+def test_another_hot_worker_does_not_break_affinity():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    text = "a long shared conversation prefix"
+    holder = route(policy, pool, text).worker
+    hot = next(w for w in pool.workers.values() if w is not holder)
+    hot.in_flight, holder.in_flight = 20, 2        # the pool is imbalanced, the holder is not
+    choice = route(policy, pool, text + " and the next turn")
+    assert choice.worker is holder and choice.decision == "cache_hit"
+
+
 def test_a_weak_match_goes_to_the_least_loaded():
     pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
     holder = route(policy, pool, "shared00").worker                 # 1 block
@@ -93,9 +105,32 @@ def test_only_candidates_are_chosen():
     assert choice.worker in others
 
 
-def test_a_worker_going_unhealthy_forgets_its_prefixes():
+def test_a_worker_missing_a_check_keeps_its_prefixes():
+    pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
+    text = "a conversation long enough"
+    holder = route(policy, pool, text).worker
+    pool.set_healthy(holder, False)            # busy: the check timed out; its cache is intact
+    assert holder not in pool.routable() and pool.prefixes.size(holder.address) > 0
+    pool.set_healthy(holder, True)
+    assert route(policy, pool, text + " and more").worker is holder
+
+
+def test_a_restarted_worker_forgets_its_prefixes():
     pool, policy = make_pool(), CacheAwarePolicy(CONFIG)
     holder = route(policy, pool, "a conversation long enough").worker
+    pool.observe_load(holder, worker_pb2.LoadReport(prefix_cache_queries=500))
     assert pool.prefixes.size(holder.address) > 0
-    pool.set_healthy(holder, False)
-    assert pool.prefixes.size(holder.address) == 0 and holder not in pool.routable()
+    pool.observe_load(holder, worker_pb2.LoadReport(prefix_cache_queries=40))   # counters reset
+    assert pool.prefixes.size(holder.address) == 0
+
+
+def test_prefix_memory_is_capped_at_the_reported_kv_cache():
+    pool, policy = make_pool(1), CacheAwarePolicy(CONFIG)
+    [worker] = pool.workers.values()
+    route(policy, pool, "x" * 8 * 10)                                          # 10 blocks
+    pool.observe_load(worker, worker_pb2.LoadReport(kv_blocks_total=0))       # unknown: no cap
+    assert pool.prefixes.size(worker.address) == 10
+    pool.observe_load(worker, worker_pb2.LoadReport(kv_blocks_total=4))
+    assert pool.prefixes.size(worker.address) == 4
+    route(policy, pool, "y" * 8 * 6)
+    assert pool.prefixes.size(worker.address) == 4

@@ -42,6 +42,18 @@ def test_lru_bound_evicts_the_oldest_suffixes_first():
     assert index.match("w", old) == 1
 
 
+def test_a_limit_caps_one_worker_below_max_blocks():
+    index = PrefixIndex(max_blocks=100)
+    index.insert("w", block_hashes(A * 6, "", 8))
+    index.insert("v", block_hashes(A * 6, "", 8))
+    index.set_limit("w", 2)
+    assert index.size("w") == 2 and index.size("v") == 6
+    assert index.match("w", block_hashes(A * 6, "", 8)) == 2      # the head survives
+    index.set_limit("w", 0)                                       # unknown again: max_blocks
+    index.insert("w", block_hashes(B * 6, "", 8))
+    assert index.size("w") == 8
+
+
 def test_drop_forgets_a_worker():
     index = PrefixIndex(max_blocks=10)
     index.insert("w", block_hashes(A, "", 8))

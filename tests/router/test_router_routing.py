@@ -210,6 +210,26 @@ async def test_unhealthy_workers_leave_the_pool_and_rejoin(fake_workers, start_r
     assert {(await client.generate(text=f"s{i}"))[0].worker for i in range(4)} == {sick.address, well.address}
 
 
+async def test_affinity_survives_a_missed_check_but_not_a_restart(fake_workers, start_router):
+    workers = await fake_workers(3)
+    for w in workers:
+        w.load.prefix_cache_queries = 1000
+    client = await start_router(router_config({"m": workers}))
+    conversation = "a conversation that has gone on for a good many turns already. " * 4
+    [holder] = {(await client.generate(text=conversation))[0].worker for _ in range(2)}
+    sick = next(w for w in workers if w.address == holder)
+    known = client.router.registry.find(holder)
+    await sick.set_serving(False)                 # busy or briefly unreachable: its cache is intact
+    await eventually(lambda: not known.healthy, what="the check to fail")
+    await sick.set_serving(True)
+    await eventually(lambda: known.healthy, what="the worker to rejoin")
+    pool = client.router.registry.pool("m")
+    assert pool.prefixes.size(holder) > 0
+    assert (await client.generate(text=conversation + " and one more"))[0].worker == holder
+    sick.load.prefix_cache_queries = 0            # it restarted: an empty cache
+    await eventually(lambda: pool.prefixes.size(holder) == 0, what="the memory to be forgotten")
+
+
 async def test_no_healthy_worker_is_unavailable(fake_workers, start_router):
     [worker] = await fake_workers(1)
     client = await start_router(router_config({"m": [worker]}))
