@@ -3,6 +3,11 @@
 Single-threaded by design: the async layer (async_engine.py) owns the thread that calls it.
 A request with n > 1 becomes n sibling requests over the same prompt; the prefix cache makes
 them share the prompt's full blocks.
+
+Speculative decoding: after each step the engine picks k for every decoding request (its own
+or the worker's default, shortened by the adaptive draft length). The n-gram proposer drafts
+then, from token ids; a draft model in the runner drafts inside the next step, into the slots
+the scheduler reserves for k tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class LLMEngine:
         self.pool = BlockPool(limits.num_blocks)
         self.kv = KVCacheManager(self.pool, limits.block_size, limits.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens), self.kv)
-        self.proposer = proposer
+        self.proposer = proposer   # n-gram: drafts from token ids, before scheduling
+        self.drafts_in_step = runner.drafter is not None
         self.num_speculative_tokens = num_speculative_tokens
         self._requests: dict[str, list[Request]] = {}     # caller id -> its n siblings
         self._states: dict[str, RequestOutputState] = {}  # sibling id -> output state
@@ -123,12 +129,13 @@ class LLMEngine:
             if result is None:
                 continue                       # a prefill chunk: nothing sampled yet
             r.num_computed_tokens -= result.num_rejected
+            r.draft_lag = result.draft_lag
             if item.num_spec_tokens:
                 accepted = len(result.token_ids) - 1
                 r.spec_proposed += item.num_spec_tokens
                 r.spec_accepted += accepted
                 r.draft_length.record(item.num_spec_tokens, accepted)
-            r.spec_token_ids = []
+            r.spec_token_ids, r.num_spec_tokens = [], 0
             if r.first_token_time is None:
                 r.first_token_time = now
             output = self._states[r.request_id].process(result)
@@ -155,8 +162,9 @@ class LLMEngine:
                 self._states.pop(s.request_id, None)
 
     def _propose(self) -> None:
-        """Draft tokens for decoding requests, to be verified in the next step."""
-        if self.proposer is None:
+        """How many draft tokens each decoding request verifies in the next step (and, n-gram,
+        which)."""
+        if self.proposer is None and not self.drafts_in_step:
             return
         for r in self.scheduler.running:
             k = r.params.num_speculative_tokens
@@ -164,7 +172,10 @@ class LLMEngine:
             k = min(k, r.max_tokens - r.num_output_tokens - 1, self.limits.max_model_len - r.num_tokens - 1)
             if k > 0 and r.num_computed_tokens == r.num_tokens - 1:
                 k = r.draft_length.next_k(k)
-                r.spec_token_ids = self.proposer.propose(r.all_token_ids, k) if k else []
+                if k and not self.drafts_in_step:
+                    r.spec_token_ids = self.proposer.propose(r.all_token_ids, k)
+                    k = len(r.spec_token_ids)   # the n-gram finds at most k
+                r.num_spec_tokens = k
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -2,12 +2,15 @@
 
 The runner owns the KV cache tensors and never sees the block pool: it gets block ids from
 the scheduler's output. Each sequence contributes its new tokens to one flattened batch; the
-logits of its last token (or of its k+1 verification positions) are sampled.
+logits of its last token (or of its k+1 verification positions) are sampled. With a draft
+model (spec/draft_model.py) the drafts are made first, inside the same step; otherwise they
+are the n-gram proposer's, already on the request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,62 +26,97 @@ class StepResult:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_rejected: int = 0                                  # draft tokens whose slots are void
+    draft_lag: int = 0                                     # see Request.draft_lag
+
+
+@dataclass
+class Draft:
+    """The tokens one request verifies this step, and the distributions they were drawn from:
+    probs [k, V], or None for a deterministic proposer (n-gram) or a greedy request."""
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+class SeqSpan(NamedTuple):
+    """One sequence's new tokens in a forward pass."""
+    token_ids: list[int]
+    start: int              # position of the first of them
+    block_ids: list[int]    # the sequence's block table, covering every position up to the last
+
+
+def kv_cache_tensors(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                     dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def forward_pass(model, kv_caches, spans: list[SeqSpan], block_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Run model over the spans as one flattened batch, writing their keys and values into their
+    slots. -> hidden states [num tokens, hidden] and each span's end row (exclusive)."""
+    input_ids, positions, slots, query_lens, seq_lens, ends = [], [], [], [], [], []
+    for tokens, start, block_ids in spans:
+        span = range(start, start + len(tokens))
+        input_ids += tokens
+        positions += span
+        slots += [block_ids[p // block_size] * block_size + p % block_size for p in span]
+        query_lens.append(len(tokens))
+        seq_lens.append(span.stop)
+        ends.append(len(input_ids))
+    max_blocks = max(len(s.block_ids) for s in spans)
+    table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in spans]   # one tensor, not one per row
+    starts = [0] + ends
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=block_size,
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+    ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+    pos = torch.tensor(positions, dtype=torch.long, device=device)
+    return model(ids, pos, kv_caches, meta), ends
 
 
 class ModelRunner:
     def __init__(self, model, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, sampler: Sampler) -> None:
+                 block_size: int, dtype: torch.dtype, device: torch.device, sampler: Sampler,
+                 drafter=None) -> None:
+        """drafter: a DraftModelProposer, or None when drafts (if any) come from the n-gram proposer."""
         self.model = model
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.drafter = drafter
+        self.kv_caches = kv_cache_tensors(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> dict[str, StepResult]:
-        input_ids, positions, slots, query_lens, seq_lens, sample_rows = [], [], [], [], [], []
-        bs = self.block_size
+        drafts = self._drafts(batch)
+        spans = []
         for item in batch:
             r, start = item.request, item.start_position
-            num_known = item.num_new_tokens - item.num_spec_tokens
-            tokens = r.all_token_ids[start:start + num_known] + r.spec_token_ids[:item.num_spec_tokens]
-            input_ids += tokens
-            span = range(start, start + item.num_new_tokens)
-            positions += span
-            slots += [item.block_ids[p // bs] * bs + p % bs for p in span]
-            row_end = len(input_ids)
-            if item.samples:
-                sample_rows.append(list(range(row_end - item.num_spec_tokens - 1, row_end)))
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(start + item.num_new_tokens)
-        meta = self._metadata(batch, query_lens, seq_lens, slots)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        if not sample_rows:
+            tokens = r.all_token_ids[start:start + item.num_known_tokens]
+            if item.num_spec_tokens:
+                tokens = tokens + drafts[r.request_id].token_ids
+            spans.append(SeqSpan(tokens, start, item.block_ids))
+        hidden, ends = forward_pass(self.model, self.kv_caches, spans, self.block_size, self.device)
+        rows = [row for item, end in zip(batch, ends) if item.samples
+                for row in range(end - item.num_spec_tokens - 1, end)]
+        if not rows:
             return {}
-        flat = [row for rows in sample_rows for row in rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(flat, device=self.device)])
-        return self._sample([b for b in batch if b.samples], logits)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self._sample([b for b in batch if b.samples], logits, drafts)
 
-    def _metadata(self, batch, query_lens, seq_lens, slots) -> AttentionMetadata:
-        max_blocks = max(len(b.block_ids) for b in batch)
-        table = [b.block_ids + [0] * (max_blocks - len(b.block_ids)) for b in batch]   # one tensor, not one per row
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        dev = self.device
-        return AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=self.block_size,
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+    def _drafts(self, batch: list[ScheduledRequest]) -> dict[str, Draft]:
+        if self.drafter is not None:
+            return self.drafter.propose(batch)
+        return {b.request.request_id: Draft(b.request.spec_token_ids[:b.num_spec_tokens])
+                for b in batch if b.num_spec_tokens}
 
-    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, StepResult]:
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
+                drafts: dict[str, Draft]) -> dict[str, StepResult]:
         """Plain rows are sampled together; speculative rows are verified per request."""
         results: dict[str, StepResult] = {}
         plain, plain_rows, offset = [], [], 0
@@ -88,10 +126,11 @@ class ModelRunner:
                 plain.append(item)
                 plain_rows.append(offset)
             else:
-                results[item.request.request_id] = self._verify(item, logits[offset:offset + k + 1])
+                results[item.request.request_id] = self._verify(
+                    item, logits[offset:offset + k + 1], drafts[item.request.request_id])
             offset += k + 1
         if plain:
-            rows = [_sampling_row(item.request) for item in plain]
+            rows = [sampling_row(item.request) for item in plain]
             out = self.sampler.sample(logits[plain_rows], rows)
             for j, item in enumerate(plain):
                 results[item.request.request_id] = StepResult(
@@ -100,17 +139,19 @@ class ModelRunner:
                     [out.top_logprobs[j]] if out.top_logprobs is not None else None)
         return results
 
-    def _verify(self, item: ScheduledRequest, logits: torch.Tensor) -> StepResult:
-        r = item.request
-        drafts = r.spec_token_ids[:item.num_spec_tokens]
+    def _verify(self, item: ScheduledRequest, logits: torch.Tensor, draft: Draft) -> StepResult:
+        r, tokens = item.request, draft.token_ids
         # Position j of the k+1 rows follows the drafts before it: penalties must see them.
-        rows = [_sampling_row(r, drafts[:j]) for j in range(len(drafts) + 1)]
+        rows = [sampling_row(r, tokens[:j]) for j in range(len(tokens) + 1)]
         if r.params.greedy:
-            accepted = verify_greedy(drafts, self.sampler.sample(logits, rows).token_ids)
+            accepted = verify_greedy(tokens, self.sampler.sample(logits, rows).token_ids)
         else:
-            accepted = rejection_sample(drafts, None, self.sampler.probs(logits, rows),
+            accepted = rejection_sample(tokens, draft.probs, self.sampler.probs(logits, rows),
                                         r.generator or self.sampler.generator)
-        result = StepResult(accepted, num_rejected=len(drafts) + 1 - len(accepted))
+        all_accepted = len(accepted) == len(tokens) + 1
+        # The draft model never ran on its last draft: if the target kept it, its cache lacks it.
+        result = StepResult(accepted, num_rejected=len(tokens) + 1 - len(accepted),
+                            draft_lag=int(self.drafter is not None and all_accepted))
         if r.params.logprobs:
             logprobs = torch.log_softmax(logits[:len(accepted)].float(), dim=-1)
             chosen = torch.tensor(accepted, device=logprobs.device)
@@ -121,7 +162,8 @@ class ModelRunner:
         return result
 
 
-def _sampling_row(request, extra_output: list[int] = ()) -> SamplingRow:
+def sampling_row(request, extra_output: list[int] = ()) -> SamplingRow:
+    """The request's sampling row, as if extra_output (drafts before this position) were generated."""
     output = request.output_token_ids + list(extra_output) if extra_output else request.output_token_ids
     return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
                        output_token_ids=output, generator=request.generator,

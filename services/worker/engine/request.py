@@ -46,7 +46,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1             # prompt tokens found in the prefix cache at first schedule
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
+    # Speculative decoding: the next step verifies num_spec_tokens drafts. The n-gram proposer's are
+    # known before scheduling (spec_token_ids); a draft model makes them inside the step.
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Computed tokens at the end that a draft model's KV cache still lacks: 1 after the target
+    # accepted all k drafts (the draft model never ran on its k-th), else 0.
+    draft_lag: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None    # the stop string or token that finished it
     generator: torch.Generator | None = None

@@ -37,7 +37,12 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         r = self.request
         self.start_position = r.num_computed_tokens
-        self.samples = r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens >= r.num_tokens
+        self.samples = r.num_computed_tokens + self.num_known_tokens >= r.num_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The new tokens that are already part of the request (all but the drafts)."""
+        return self.num_new_tokens - self.num_spec_tokens
 
 
 @dataclass
@@ -70,7 +75,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_spec = len(request.spec_token_ids) if request.num_computed_tokens == request.num_tokens - 1 else 0
+            num_spec = request.num_spec_tokens if request.num_computed_tokens == request.num_tokens - 1 else 0
             num_new = min(request.num_tokens + num_spec - request.num_computed_tokens, budget)
             num_spec = max(0, min(num_spec, num_new - 1))
             while not self.kv.allocate(request, num_new, num_tokens_to_cache=request.num_tokens):
@@ -117,6 +122,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_spec_tokens = 0
+        request.draft_lag = 0          # a draft model recomputes from scratch too
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
