@@ -1,4 +1,5 @@
-"""make bench-spec: speculative decoding (n-gram prompt lookup) against plain decoding, in one run.
+"""make bench-spec: speculative decoding (n-gram prompt lookup or a draft model) against plain
+decoding, in one run.
 
 Two workloads on SmolLM2 on this CPU, greedy, batch 1 then a batch of 4:
 - copying: the answer mostly copies its input (edit or repeat a given text);
@@ -6,7 +7,12 @@ Two workloads on SmolLM2 on this CPU, greedy, batch 1 then a batch of 4:
 Prints tokens/s with and without speculation, the ratio, and the acceptance rate.
 Targets: >= 1.8x on copying; >= 0.95x on open-ended.
 
-Usage: python -m bench.spec [--k 4] [--max-tokens 160]
+Usage: python -m bench.spec [--k 4] [--max-tokens 160] [--method ngram|draft_model]
+                            [--draft-model smollm2|random:tiny|path]
+
+--draft-model: SmolLM2 itself (the default; its weights are shared with the target) shows the
+mechanism's cost at near-total acceptance, random:tiny at almost none. Plain rows run on an
+engine without a draft model, which would otherwise run in every step.
 """
 
 from __future__ import annotations
@@ -59,18 +65,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    parser.add_argument("--draft-model", default="smollm2", help="the draft's model source (draft_model only)")
     args = parser.parse_args()
     built = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=512))
-    engine, tokenizer = built.engine, built.loaded.tokenizer
-    run(engine, tokenizer, OPEN_ENDED[:1], 8, 0)    # warm-up
-    print(f"# bench-spec  {time.strftime('%Y-%m-%d %H:%M')}  n-gram k={args.k}, greedy, SmolLM2 float32 CPU")
+    plain_engine, tokenizer = built.engine, built.loaded.tokenizer
+    draft = built.loaded if args.draft_model == "smollm2" else None
+    spec_engine = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=512, speculative_method=args.method,
+                                                                 draft_model=args.draft_model),
+                               loaded=built.loaded, draft=draft).engine
+    run(plain_engine, tokenizer, OPEN_ENDED[:1], 8, 0)    # warm-up
+    run(spec_engine, tokenizer, OPEN_ENDED[:1], 8, args.k)
+    method = "n-gram" if args.method == "ngram" else f"draft model {args.draft_model}"
+    print(f"# bench-spec  {time.strftime('%Y-%m-%d %H:%M')}  {method} k={args.k}, greedy, SmolLM2 float32 CPU")
     print("| workload | batch | plain tok/s | spec tok/s | ratio | acceptance | target |")
     print("|---|---|---|---|---|---|---|")
     for name, prompts, target in (("copying", COPYING, 1.8), ("open-ended", OPEN_ENDED, 0.95)):
         for batch in (1, 4):
             chosen = prompts[:batch]
-            plain, n_plain, _, _ = run(engine, tokenizer, chosen, args.max_tokens, 0)
-            spec, n_spec, proposed, accepted = run(engine, tokenizer, chosen, args.max_tokens, args.k)
+            plain, n_plain, _, _ = run(plain_engine, tokenizer, chosen, args.max_tokens, 0)
+            spec, n_spec, proposed, accepted = run(spec_engine, tokenizer, chosen, args.max_tokens, args.k)
             assert n_plain == n_spec, "speculation changed the greedy output length"
             rate = accepted / proposed if proposed else 0.0
             print(f"| {name} | {batch} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | {rate * 100:.0f}% "
