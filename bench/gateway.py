@@ -1,10 +1,18 @@
 """The gateway's own cost: added latency per request and streamed chunks per second through the
-gateway, against calling an instantly answering worker directly, in one run.
+gateway (and through gateway + router), against calling an instantly answering worker directly,
+in one run.
 
-    python -m bench.gateway [--requests 300] [--stream-tokens 20000] [--json out.json]
+    python -m bench.gateway [--requests 600] [--stream-tokens 20000] [--json out.json]
 
-Three processes: an instant fake worker (gRPC Generation), the real gateway (`python -m
-services.gateway`, pinned to one core when the machine has more than one) and this client.
+Processes: an instant fake worker (gRPC Generation + health), the real router in front of it, two
+real gateways (`python -m services.gateway`: one over the worker, one over the router) and this
+client. The gateways are pinned to one core when the machine has more than one; the worker, the
+router and this client share the others. Latency rounds are interleaved so every path sees the
+same machine load; "added" is the gateway path's percentile minus the direct call's.
+
+Chunks/s is reported twice: what one stream got (capped by the worker and this client too), and
+chunks per CPU-second of the gateway process (all its threads, from /proc), i.e. what the gateway
+can stream at 100% of one core. CPU ms per request is the same measure for the latency rounds.
 Targets (issue 4): under 2 ms added at p50, at least 5,000 streamed chunks/s on one core.
 """
 
@@ -25,6 +33,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from bench.timing import percentile
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
@@ -32,6 +41,9 @@ from llmserve.v1 import worker_pb2, worker_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "instant"
 KEY = "sk-bench"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+LATENCY_ROUNDS = 5
+STREAM_ROUNDS = 3
 
 
 class InstantWorker(worker_pb2_grpc.GenerationServicer):
@@ -39,6 +51,9 @@ class InstantWorker(worker_pb2_grpc.GenerationServicer):
 
     async def ListModels(self, request, context):
         return worker_pb2.ListModelsResponse(models=[worker_pb2.ModelInfo(name=MODEL, max_context_length=1 << 20)])
+
+    async def GetLoad(self, request, context):
+        return worker_pb2.LoadReport(model=MODEL, kv_blocks_total=1 << 16)
 
     async def Generate(self, request, context):
         n = request.sampling.max_tokens or 1
@@ -54,8 +69,11 @@ class InstantWorker(worker_pb2_grpc.GenerationServicer):
 async def serve_worker(port: int) -> None:
     server = grpc.aio.server()
     worker_pb2_grpc.add_GenerationServicer_to_server(InstantWorker(), server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.wait_for_termination()
 
 
@@ -71,97 +89,159 @@ def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-async def direct_latency(stub, count: int) -> list[float]:
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        async for _ in stub.Generate(worker_pb2.GenerateRequest(
-                model=MODEL, chat=worker_pb2.ChatPrompt(messages=[worker_pb2.ChatMessage(role="user", content="hi")]),
-                sampling=worker_pb2.SamplingParams(max_tokens=1))):
-            pass
-        times.append(time.perf_counter() - started)
-    return times
+def spawn_gateway(tmp: Path, name: str, upstream: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = spawn(["-m", "services.gateway"], {
+        "LLMSERVE_GATEWAY__SERVER__PORT": str(port), "LLMSERVE_GATEWAY__SERVER__PLAIN_HTTP": "true",
+        "LLMSERVE_GATEWAY__UPSTREAM__ADDRESS": upstream,
+        "LLMSERVE_GATEWAY__DATABASE__URL": f"sqlite:///{tmp / (name + '.db')}",
+        "LLMSERVE_GATEWAY__LOCAL_MODE__ENABLED": "true", "LLMSERVE_DEV_API_KEY": KEY}, tmp / f"{name}.log")
+    return process, f"http://127.0.0.1:{port}"
 
 
-async def gateway_latency(http: aiohttp.ClientSession, url: str, count: int) -> list[float]:
-    times = []
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1}
-    for _ in range(count):
-        started = time.perf_counter()
-        async with http.post(url, json=body) as reply:
-            assert reply.status == 200, await reply.text()
-            await reply.read()
-        times.append(time.perf_counter() - started)
-    return times
+def spawn_router(tmp: Path, worker: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    config = tmp / "router.yaml"
+    config.write_text(json.dumps({"server": {"port": port, "metrics_port": 0},
+                                  "models": {MODEL: {"addresses": [worker]}},
+                                  "health": {"interval_s": 0.2}}))   # JSON is YAML
+    return spawn(["-m", "services.router", "--config", str(config)], {}, tmp / "router.log"), f"127.0.0.1:{port}"
 
 
-async def direct_stream(stub, tokens: int) -> float:
-    started, chunks = time.perf_counter(), 0
-    async for _ in stub.Generate(worker_pb2.GenerateRequest(
-            model=MODEL, chat=worker_pb2.ChatPrompt(messages=[worker_pb2.ChatMessage(role="user", content="hi")]),
-            sampling=worker_pb2.SamplingParams(max_tokens=tokens))):
-        chunks += 1
-    return chunks / (time.perf_counter() - started)
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-async def gateway_stream(http: aiohttp.ClientSession, url: str, tokens: int) -> float:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": tokens,
-            "stream": True}
-    started, chunks = time.perf_counter(), 0
-    async with http.post(url, json=body) as reply:
+def chat_body(tokens: int, stream: bool) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": tokens,
+            "stream": stream}
+
+
+def grpc_request(tokens: int) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(
+        model=MODEL, chat=worker_pb2.ChatPrompt(messages=[worker_pb2.ChatMessage(role="user", content="hi")]),
+        sampling=worker_pb2.SamplingParams(max_tokens=tokens))
+
+
+async def direct_call(stub, tokens: int) -> int:
+    return len([_ async for _ in stub.Generate(grpc_request(tokens))])
+
+
+async def gateway_call(http: aiohttp.ClientSession, url: str, tokens: int, stream: bool) -> int:
+    """One chat completion; returns the content chunks received (whole: 1)."""
+    async with http.post(url + "/v1/chat/completions", json=chat_body(tokens, stream)) as reply:
         assert reply.status == 200, await reply.text()
+        if not stream:
+            await reply.read()
+            return 1
+        chunks = 0
         async for line in reply.content:
-            if line.startswith(b"data: {"):
+            if line.startswith(b'data: {"id"') and b'"content":"x"' in line:
                 chunks += 1
-    return chunks / (time.perf_counter() - started)
+        return chunks
 
 
-async def measure(args: argparse.Namespace, worker: str, gateway: str) -> dict:
-    url = gateway + "/v1/chat/completions"
+async def timed(call, count: int) -> list[float]:
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        await call()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def latency_row(times: list[float], direct: list[float]) -> dict:
+    p50, p95, d50, d95 = (statistics.median(times), percentile(times, 95), statistics.median(direct),
+                          percentile(direct, 95))
+    return {"p50_ms": p50 * 1e3, "p95_ms": p95 * 1e3, "added_p50_ms": (p50 - d50) * 1e3,
+            "added_p95_ms": (p95 - d95) * 1e3}
+
+
+async def measure(args: argparse.Namespace, worker: str, gateways: dict[str, tuple[str, int]]) -> dict:
+    """gateways: path name -> (URL, pid)."""
+    gw_url, gw_pid = gateways["gateway"]
     async with grpc.aio.insecure_channel(worker) as channel, aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {KEY}"}) as http:
         stub = worker_pb2_grpc.GenerationStub(channel)
-        await direct_latency(stub, 20)                      # warm both paths
-        await gateway_latency(http, url, 20)
-        direct, through = [], []
-        for _ in range(3):                                  # interleaved rounds: both see the same machine load
-            direct += await direct_latency(stub, args.requests // 3)
-            through += await gateway_latency(http, url, args.requests // 3)
-        direct_rate = await direct_stream(stub, args.stream_tokens)
-        gateway_rate = await gateway_stream(http, url, args.stream_tokens)
-    p50_direct, p50_gateway = statistics.median(direct), statistics.median(through)
+        paths = {"direct": lambda: direct_call(stub, 1)}
+        for name, (url, _) in gateways.items():
+            paths[name] = lambda url=url: gateway_call(http, url, 1, False)
+            paths[name + " (stream)"] = lambda url=url: gateway_call(http, url, 1, True)
+        for call in paths.values():                        # warm every path
+            await timed(call, 20)
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        cpu = {name: 0.0 for name in gateways}
+        for _ in range(LATENCY_ROUNDS):                     # interleaved: every path sees the same machine load
+            for name, call in paths.items():
+                gateway = name.split(" ")[0]
+                before = cpu_seconds(gateways[gateway][1]) if gateway in gateways else 0.0
+                times[name] += await timed(call, args.requests // LATENCY_ROUNDS)
+                if gateway in gateways:
+                    cpu[gateway] += cpu_seconds(gateways[gateway][1]) - before
+
+        direct_rates, rates, chunks, used = [], [], 0, 0.0
+        for _ in range(STREAM_ROUNDS):
+            started = time.perf_counter()
+            assert await direct_call(stub, args.stream_tokens) == args.stream_tokens
+            direct_rates.append(args.stream_tokens / (time.perf_counter() - started))
+            before, started = cpu_seconds(gw_pid), time.perf_counter()
+            assert await gateway_call(http, gw_url, args.stream_tokens, True) == args.stream_tokens
+            rates.append(args.stream_tokens / (time.perf_counter() - started))
+            chunks, used = chunks + args.stream_tokens, used + cpu_seconds(gw_pid) - before
+    direct = times.pop("direct")
+    latency = {"direct": {"p50_ms": statistics.median(direct) * 1e3, "p95_ms": percentile(direct, 95) * 1e3}}
+    latency.update({name: latency_row(t, direct) for name, t in times.items()})
+    per_request = len(times["gateway"]) * 2                # whole + streamed requests, per gateway
+    per_cpu_s = chunks / used if used else float("inf")
     return {
-        "requests": len(through), "stream_tokens": args.stream_tokens, "gateway_pinned_to_one_core": args.pinned,
-        "latency_ms": {"direct_p50": p50_direct * 1e3, "gateway_p50": p50_gateway * 1e3,
-                       "direct_p99": percentile(direct, 99) * 1e3, "gateway_p99": percentile(through, 99) * 1e3,
-                       "added_p50": (p50_gateway - p50_direct) * 1e3},
-        "stream_chunks_per_s": {"direct": direct_rate, "gateway": gateway_rate,
-                                "gateway_over_direct": gateway_rate / direct_rate},
-        "targets": {"added_p50_under_2ms": (p50_gateway - p50_direct) * 1e3 < 2.0,
-                    "stream_at_least_5000_chunks_per_s": gateway_rate >= 5000},
+        "requests_per_path": len(direct), "stream_tokens": args.stream_tokens,
+        "gateway_pinned_to_one_core": args.pinned, "latency": latency,
+        "gateway_cpu_ms_per_request": {name: used_s * 1e3 / per_request for name, used_s in cpu.items()},
+        "stream": {"direct_chunks_per_s": statistics.median(direct_rates),
+                   "gateway_chunks_per_s": statistics.median(rates), "gateway_chunks_per_cpu_s": per_cpu_s},
+        "targets": {**{f"{name}_added_p50_under_2ms": latency[name]["added_p50_ms"] < 2.0 for name in gateways},
+                    "at_least_5000_chunks_per_s_on_one_core": per_cpu_s >= 5000},
     }
 
 
-async def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+def table(results: dict) -> str:
+    rows = ["| path | p50 ms | p95 ms | added p50 ms | added p95 ms | gateway CPU ms/request |",
+            "|---|---|---|---|---|---|"]
+    cpu = results["gateway_cpu_ms_per_request"]
+    for name, row in results["latency"].items():
+        added = (f"{row['added_p50_ms']:.2f} | {row['added_p95_ms']:.2f}" if "added_p50_ms" in row else "- | -")
+        used = f"{cpu[name]:.2f}" if name in cpu else "-"
+        rows.append(f"| {name} | {row['p50_ms']:.2f} | {row['p95_ms']:.2f} | {added} | {used} |")
+    s = results["stream"]
+    rows.append(f"\nstreams of {results['stream_tokens']} chunks (median of {STREAM_ROUNDS}): direct "
+                f"{s['direct_chunks_per_s']:,.0f}/s, through the gateway {s['gateway_chunks_per_s']:,.0f}/s, "
+                f"{s['gateway_chunks_per_cpu_s']:,.0f} per gateway CPU-second")
+    return "\n".join(rows)
+
+
+async def wait_ready(url: str, processes: list[tuple[subprocess.Popen, Path]], timeout: float = 60) -> None:
+    """Until a one-token chat completion through `url` succeeds (the router needs a health round)."""
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
         while True:
-            if process.poll() is not None:
-                raise SystemExit(f"the gateway exited:\n{log.read_text()}")
+            for process, log in processes:
+                if process.poll() is not None:
+                    raise SystemExit(f"{log.stem} exited:\n{log.read_text()}")
             try:
-                async with http.get(url) as reply:
-                    if reply.status == 200:
-                        return
-            except aiohttp.ClientError:
+                await gateway_call(http, url, 1, False)
+                return
+            except (aiohttp.ClientError, AssertionError):
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit(f"the gateway did not start:\n{log.read_text()}")
+                raise SystemExit(f"{url} did not answer:\n" + "\n".join(log.read_text() for _, log in processes))
             await asyncio.sleep(0.2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=600, help="timed requests per path")
     parser.add_argument("--stream-tokens", type=int, default=20_000)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--serve-worker", type=int, help=argparse.SUPPRESS)
@@ -170,28 +250,32 @@ def main() -> None:
         asyncio.run(serve_worker(args.serve_worker))
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    worker_port, gateway_port = free_port(), free_port()
+    worker_port = free_port()
     worker = spawn(["-m", "bench.gateway", "--serve-worker", str(worker_port)], {}, tmp / "worker.log")
-    gateway = spawn(["-m", "services.gateway"], {
-        "LLMSERVE_GATEWAY__SERVER__PORT": str(gateway_port), "LLMSERVE_GATEWAY__SERVER__PLAIN_HTTP": "true",
-        "LLMSERVE_GATEWAY__UPSTREAM__ADDRESS": f"127.0.0.1:{worker_port}",
-        "LLMSERVE_GATEWAY__DATABASE__URL": f"sqlite:///{tmp / 'gateway.db'}",
-        "LLMSERVE_GATEWAY__LOCAL_MODE__ENABLED": "true", "LLMSERVE_DEV_API_KEY": KEY}, tmp / "gateway.log")
+    worker_address = f"127.0.0.1:{worker_port}"
+    router, router_address = spawn_router(tmp, worker_address)
+    gateway, gateway_url = spawn_gateway(tmp, "gateway", worker_address)
+    routed, routed_url = spawn_gateway(tmp, "gateway+router", router_address)
+    processes = [(worker, tmp / "worker.log"), (router, tmp / "router.log"), (gateway, tmp / "gateway.log"),
+                 (routed, tmp / "gateway+router.log")]
     cores = sorted(os.sched_getaffinity(0))
     args.pinned = len(cores) > 1
-    if args.pinned:   # the gateway gets one core; the worker and this client share the others
-        os.sched_setaffinity(gateway.pid, {cores[0]})
-        os.sched_setaffinity(worker.pid, set(cores[1:]))
-        os.sched_setaffinity(0, set(cores[1:]))
+    if args.pinned:   # the gateways get one core (only one is busy at a time); the rest share the others
+        for process in (gateway, routed):
+            os.sched_setaffinity(process.pid, {cores[0]})
+        for pid in (worker.pid, router.pid, 0):
+            os.sched_setaffinity(pid, set(cores[1:]))
     try:
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
-        asyncio.run(wait_http(gateway_url + "/healthz", gateway, tmp / "gateway.log"))
-        results = asyncio.run(measure(args, f"127.0.0.1:{worker_port}", gateway_url))
+        for url in (gateway_url, routed_url):
+            asyncio.run(wait_ready(url, processes))
+        results = asyncio.run(measure(args, worker_address, {"gateway": (gateway_url, gateway.pid),
+                                                             "gateway+router": (routed_url, routed.pid)}))
     finally:
-        for process in (gateway, worker):
+        for process, _ in processes:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=30)
     print(json.dumps(results, indent=2))
+    print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import ssl
 
+import uvloop
 from aiohttp import web
 
 from llmserve.config import ConfigError, load_config
@@ -33,9 +34,10 @@ def main(argv: list[str] | None = None) -> None:
         load_safety_policy(cfg.safety.policy_file or None)  # a bad policy file fails here, before serving
     except (ConfigError, ValueError, OSError) as e:
         raise SystemExit(f"gateway configuration: {e}") from None
+    # uvloop: less CPU per request and per streamed chunk than asyncio's loop (bench/gateway.py).
     web.run_app(build_app(cfg), host=cfg.server.host, port=cfg.server.port, ssl_context=ssl_context(cfg),
                 handler_cancellation=True, shutdown_timeout=cfg.server.shutdown_timeout_s,
-                access_log=None, print=lambda *a: logging.info(*a))
+                access_log=None, print=lambda *a: logging.info(*a), loop=uvloop.new_event_loop())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Coroutine
 
 from aiohttp import web
@@ -49,8 +50,8 @@ class Gateway:
     started_at: int = field(default_factory=lambda: int(time.time()))
     pool_watch: PoolWatch | None = None   # feeds the overload guard when its limit follows the pool
 
-    @property
-    def tracer(self):
+    @cached_property
+    def tracer(self):   # get_tracer builds a new tracer each call
         return self.tracer_provider.get_tracer("llmserve.gateway")
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:

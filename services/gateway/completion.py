@@ -6,6 +6,7 @@ match split across messages is caught) and may end the choice with finish_reason
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from llmserve.v1 import worker_pb2
 from services.gateway.errors import ApiError
 
 FINISH_REASONS = {worker_pb2.FINISH_REASON_STOP: "stop", worker_pb2.FINISH_REASON_LENGTH: "length"}
+# Compact JSON with UTF-8 text as is; one encoder, not one per json.dumps call.
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def new_completion_id() -> str:
@@ -69,6 +72,10 @@ class Completion:
         self.prompt_tokens = prompt_tokens_estimate
         self.cached_tokens = 0
         self._reported_completion_tokens: int | None = None
+        # Every chunk repeats id, object, created, model and system_fingerprint: encoded once here.
+        head = _dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": model,
+                       "system_fingerprint": None})
+        self._chunk_head = "data: " + head[:-1] + ',"choices":['
 
     @property
     def finished(self) -> bool:
@@ -123,24 +130,22 @@ class Completion:
                 "total_tokens": self.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
-    def chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage: dict | None = None) -> dict:
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
-        return body
+    def chunk(self, choices: list[str], include_usage: bool, usage: dict | None = None) -> bytes:
+        """One SSE event `data: {chunk}\n\n`; choices already encoded (chunk_choice, role_choices)."""
+        tail = '],"usage":' + _dumps(usage) + "}\n\n" if include_usage else "]}\n\n"
+        return (self._chunk_head + ",".join(choices) + tail).encode()
 
     @staticmethod
-    def chunk_choice(delta: Delta) -> dict[str, Any]:
-        body: dict[str, Any] = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                                "logprobs": None, "finish_reason": delta.finish_reason}
-        if delta.logprobs is not None:
-            body["logprobs"] = {"content": delta.logprobs}
-        return body
+    def chunk_choice(delta: Delta) -> str:
+        """One delta as an encoded choice. Runs per token: only its text is encoded in the usual case."""
+        content = '{"content":' + _dumps(delta.text) + "}" if delta.text else "{}"
+        logprobs = "null" if delta.logprobs is None else '{"content":' + _dumps(delta.logprobs) + "}"
+        finish = "null" if delta.finish_reason is None else _dumps(delta.finish_reason)
+        return f'{{"index":{delta.index},"delta":{content},"logprobs":{logprobs},"finish_reason":{finish}}}'
 
-    def role_choices(self) -> list[dict[str, Any]]:
-        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for c in self.choices]
+    def role_choices(self) -> list[str]:
+        return [_dumps({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}) for c in self.choices]
 
     def response(self) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,

@@ -4,7 +4,6 @@ keep-alive, `data: [DONE]` last."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, AsyncIterator, TypeVar
 
 from aiohttp import web
@@ -16,37 +15,47 @@ _HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control":
             "X-Accel-Buffering": "no"}
 
 
-def encode(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
 class EventStream:
+    """Events are queued, then written together by the next send(): what one upstream message
+    produced goes out in one transport write, at once (never held for a later message)."""
+
     def __init__(self, request: web.Request):
         self._request = request
+        self._queued: list[bytes] = []
         self.response = web.StreamResponse(status=200, headers=_HEADERS)
 
     @property
     def started(self) -> bool:
-        return self.response.prepared
+        """Events were written or queued: from here a failure can only be sent as an error event."""
+        return self.response.prepared or bool(self._queued)
 
     async def start(self) -> None:
         if not self.response.prepared:
             await self.response.prepare(self._request)
 
-    async def send(self, obj: Any) -> None:
-        await self.start()
-        await self.response.write(encode(obj))
+    def queue(self, data: bytes) -> None:
+        """Whole encoded events (Completion.chunk) for the next send()."""
+        self._queued.append(data)
 
-    async def send_raw(self, data: bytes) -> None:
+    def _take(self, data: bytes) -> bytes:
+        if self._queued:
+            data = b"".join((*self._queued, data))
+            self._queued.clear()
+        return data
+
+    async def send(self, data: bytes = b"") -> None:
+        """Writes the queued events and `data` (whole events) now."""
         await self.start()
-        await self.response.write(data)
+        data = self._take(data)
+        if data:
+            await self.response.write(data)
 
     async def keepalive(self) -> None:
-        await self.send_raw(b": keep-alive\n\n")
+        await self.send(b": keep-alive\n\n")
 
     async def done(self) -> None:
-        await self.send_raw(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+        await self.start()
+        await self.response.write_eof(self._take(b"data: [DONE]\n\n"))
 
 
 async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[Any]:

@@ -175,22 +175,25 @@ async def _stream(request: web.Request, gw: Gateway, req: ChatRequest, completio
                     await events.keepalive()
                     continue
                 if not roles_sent:
-                    await events.send(completion.chunk(completion.role_choices(), with_usage))
+                    events.queue(completion.chunk(completion.role_choices(), with_usage))
                     roles_sent = True
                 delta = completion.accept(msg)
                 if delta:
                     _tick(gw, req.model, outcome)
-                    await events.send(completion.chunk([Completion.chunk_choice(delta)], with_usage))
+                    events.queue(completion.chunk([Completion.chunk_choice(delta)], with_usage))
+                await events.send()    # what this message produced, in one write
         for delta in completion.close_unfinished():
-            await events.send(completion.chunk([Completion.chunk_choice(delta)], with_usage))
+            events.queue(completion.chunk([Completion.chunk_choice(delta)], with_usage))
         if with_usage:
-            await events.send(completion.chunk([], True, completion.usage()))
+            events.queue(completion.chunk([], True, completion.usage()))
+        if req.conversation_id:   # the reply goes out before the store waits; otherwise with [DONE]
+            await events.send()
         outcome.status = _final_status(completion)
         await _store_turn(gw, req, completion, outcome, principal)  # before [DONE]: read-your-writes
     except ApiError as e:
         if not events.started:
             raise
-        await events.send_raw(sse_error_event(e))
+        await events.send(sse_error_event(e))
     await events.done()
     return events.response
 
