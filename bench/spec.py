@@ -8,7 +8,7 @@ Prints tokens/s with and without speculation, the ratio, and the acceptance rate
 Targets: >= 1.8x on copying; >= 0.95x on open-ended.
 
 Usage: python -m bench.spec [--k 4] [--max-tokens 160] [--method ngram|draft_model]
-                            [--draft-model smollm2|random:tiny|path]
+                            [--draft-model smollm2|random:tiny|path] [--quantization none|int8]
 
 --draft-model: SmolLM2 itself (the default; its weights are shared with the target) shows the
 mechanism's cost at near-total acceptance, random:tiny at almost none. Plain rows run on an
@@ -67,17 +67,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
     parser.add_argument("--draft-model", default="smollm2", help="the draft's model source (draft_model only)")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none",
+                        help="the target's weights (int8: the CPU serving option)")
     args = parser.parse_args()
-    built = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=512))
+    model = ModelSourceConfig(quantization=args.quantization)
+    built = build_engine(model, EngineConfig(num_blocks=512))
     plain_engine, tokenizer = built.engine, built.loaded.tokenizer
     draft = built.loaded if args.draft_model == "smollm2" else None
-    spec_engine = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=512, speculative_method=args.method,
+    spec_engine = build_engine(model, EngineConfig(num_blocks=512, speculative_method=args.method,
                                                                  draft_model=args.draft_model),
                                loaded=built.loaded, draft=draft).engine
     run(plain_engine, tokenizer, OPEN_ENDED[:1], 8, 0)    # warm-up
     run(spec_engine, tokenizer, OPEN_ENDED[:1], 8, args.k)
     method = "n-gram" if args.method == "ngram" else f"draft model {args.draft_model}"
-    print(f"# bench-spec  {time.strftime('%Y-%m-%d %H:%M')}  {method} k={args.k}, greedy, SmolLM2 float32 CPU")
+    print(f"# bench-spec  {time.strftime('%Y-%m-%d %H:%M')}  {method} k={args.k}, greedy, SmolLM2 on the CPU, "
+          f"{'int8 weights' if args.quantization == 'int8' else 'float32 weights'}")
     print("| workload | batch | plain tok/s | spec tok/s | ratio | acceptance | target |")
     print("|---|---|---|---|---|---|---|")
     for name, prompts, target in (("copying", COPYING, 1.8), ("open-ended", OPEN_ENDED, 0.95)):

@@ -49,12 +49,6 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         num_speculative_tokens=s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None)
 
 
-def encode_off_gil(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Tokenizer.encode's ids, through encode_batch: unlike encode, it releases the GIL while the
-    Rust tokenizer runs, so a huge prompt tokenized in a thread does not stall the event loop."""
-    return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
-
-
 def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
     """The prompt of a GenerateRequest or TokenizeRequest as token ids (chat rendered first).
     Slow for a long prompt (about 1 s a MB): call it off the event loop."""
@@ -69,11 +63,11 @@ def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
         if sum(len(m.content) for m in messages) > MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
-        return encode_off_gil(tokenizer, text)
+        return tokenizer.encode(text)
     if kind == "text":
         if len(request.text) > MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
-        return encode_off_gil(tokenizer, request.text)
+        return tokenizer.encode(request.text)
     if kind == "token_ids":
         return list(request.token_ids.ids)
     raise BadRequest("the request has no prompt (chat, text or token_ids)")

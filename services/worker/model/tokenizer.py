@@ -38,8 +38,11 @@ class Tokenizer:
         return self._chat_template.source if self._chat_template else None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of text, adding no special tokens (a rendered chat template carries its own)."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of text, adding no special tokens (a rendered chat template carries its own).
+
+        Through encode_batch: unlike encode, it releases the GIL while the Rust tokenizer runs, so
+        a huge prompt tokenized in a thread does not stall the caller's event loop."""
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
