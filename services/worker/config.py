@@ -41,6 +41,10 @@ class EngineConfig:
     num_speculative_tokens: int = 0   # default k; 0 disables speculative decoding
     speculative_method: str = "ngram" # ngram | draft_model
     draft_model: str = ""             # the draft model's source (as model.source) for draft_model
+    # n-gram: the shortest and longest context suffix matched against earlier text. A 1-token
+    # match drafts from any repeated word, so on new text most drafts fail: 2 is the default.
+    ngram_min: int = 2
+    ngram_max: int = 4
     num_threads: int = 0              # torch CPU threads; 0 leaves torch's default
 
 

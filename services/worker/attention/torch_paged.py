@@ -1,9 +1,9 @@
 """Paged attention in plain PyTorch: the CPU path and the reference for the Triton kernels.
 
-Decode rows (one query token) are computed in a few groups of similar length: each group's blocks
-are gathered into a padded [rows, max_len] view and masked by length. Rows with several query tokens (prefill,
-chunked prefill, speculative verification) are computed one sequence at a time with a causal
-mask offset by the tokens already in the cache.
+Sequences with a few query tokens (decodes, speculative verification) are computed in padded
+batches: grouped by query count, then by similar length, each group's blocks gathered into a
+[rows, max_len] view under a causal mask offset by the cache. Longer ones (prefill, chunked
+prefill) are computed one sequence at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention.metadata import AttentionMetadata
+
+
+# Sequences with at most this many new tokens (decodes, speculative verification) are attended in
+# padded batches; longer ones (prefill chunks) one at a time, which bounds the padding.
+MAX_SHORT_QUERY = 8
 
 
 class TorchPagedAttention:
@@ -29,10 +34,12 @@ class TorchPagedAttention:
         if plan is None:
             plan = meta.plans[self.name] = _Plan(meta, query.device)
         out = torch.empty_like(query)
-        for rows, blocks, pad, mask in plan.decode_groups:
-            keys, values = plan.gather(key_cache, value_cache, blocks, len(rows), pad)
-            out[rows] = _attention(query[rows].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                                   mask, scale).squeeze(2)
+        for rows, blocks, pad, mask in plan.short_groups:
+            batch, q_len = mask.shape[0], mask.shape[2]
+            keys, values = plan.gather(key_cache, value_cache, blocks, batch, pad)
+            q = query[rows].view(batch, q_len, *query.shape[1:]).transpose(1, 2)
+            o = _attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
+            out[rows] = o.transpose(1, 2).reshape(len(rows), *query.shape[1:])
         for lo, hi, blocks, seq_len, mask in plan.extends:
             keys, values = plan.gather(key_cache, value_cache, blocks)
             out[lo:hi] = _attention(query[lo:hi].transpose(0, 1), keys[0, :seq_len].transpose(0, 1),
@@ -44,39 +51,49 @@ class _Plan:
     """Gather indices and masks of one forward pass, built once and used by every layer.
 
     Whole blocks are gathered with index_select (several times faster on CPU than gathering
-    token slots). Decode rows of similar length share a padded [rows, max_len] view masked by length;
-    each row with several query tokens gets its blocks and a causal mask offset by its cache.
+    token slots). Short sequences of one query count and similar length share a padded view;
+    each longer one gets its blocks and a causal mask offset by its cache.
     """
 
     def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
         bs = meta.block_size
         starts = _cumsum(meta.query_lens_cpu)
         tables = meta.block_tables.to(device=device, dtype=torch.long)
-        decodes = sorted((s for s, q in enumerate(meta.query_lens_cpu) if q == 1), key=meta.seq_lens_cpu.__getitem__)
-        self.decode_groups = [self._decode_group(group, meta, tables, starts, device)
-                              for group in _similar_lengths(decodes, meta.seq_lens_cpu)]
+        by_q_len: dict[int, list[int]] = {}
+        for s, q_len in enumerate(meta.query_lens_cpu):
+            if q_len <= MAX_SHORT_QUERY:
+                by_q_len.setdefault(q_len, []).append(s)
+        self.short_groups = [self._short_group(group, meta, tables, starts, device)
+                             for seqs in by_q_len.values()
+                             for group in _similar_lengths(sorted(seqs, key=meta.seq_lens_cpu.__getitem__),
+                                                           meta.seq_lens_cpu)]
         self.extends = []
         for s, q_len in enumerate(meta.query_lens_cpu):
-            if q_len > 1:
+            if q_len > MAX_SHORT_QUERY:
                 seq_len = meta.seq_lens_cpu[s]
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
                 self.extends.append((starts[s], starts[s] + q_len, tables[s, :-(-seq_len // bs)], seq_len, mask))
 
     @staticmethod
-    def _decode_group(seqs: list[int], meta: AttentionMetadata, tables: torch.Tensor, starts: list[int],
-                      device: torch.device):
-        """-> (query rows, blocks to gather, padded positions to zero, mask) of decode sequences."""
-        bs = meta.block_size
+    def _short_group(seqs: list[int], meta: AttentionMetadata, tables: torch.Tensor, starts: list[int],
+                     device: torch.device):
+        """-> (query rows, blocks to gather, padded positions to zero, mask [B, 1, Q, L]) of sequences
+        that all have Q query tokens: query i of a sequence sees the positions up to its own."""
+        bs, q_len = meta.block_size, meta.query_lens_cpu[seqs[0]]
         lens = torch.tensor([meta.seq_lens_cpu[s] for s in seqs], device=device)
         num_blocks = -(-int(lens.max()) // bs)
-        rows = tables[torch.tensor(seqs, device=device), :num_blocks]
+        table_rows = tables[torch.tensor(seqs, device=device), :num_blocks]
         block_used = torch.arange(num_blocks, device=device)[None, :] * bs < lens[:, None]
         # Table padding points at the row's own first block: real data, never out of range.
-        blocks = torch.where(block_used, rows, rows[:, :1]).flatten()
-        valid = torch.arange(num_blocks * bs, device=device)[None, :] < lens[:, None]   # [B, L]
+        blocks = torch.where(block_used, table_rows, table_rows[:, :1]).flatten()
+        positions = torch.arange(num_blocks * bs, device=device)
+        valid = positions[None, :] < lens[:, None]                                  # [B, L]
         pad = (~valid).flatten().nonzero().squeeze(1)    # positions in the [B * L] gather
-        return torch.tensor([starts[s] for s in seqs], device=device), blocks, pad, valid[:, None, None, :]
+        last_seen = lens[:, None] - q_len + torch.arange(q_len, device=device)[None, :]    # [B, Q]
+        mask = positions[None, None, :] <= last_seen[:, :, None]                    # [B, Q, L]
+        rows = torch.tensor([starts[s] + i for s in seqs for i in range(q_len)], device=device)
+        return rows, blocks, pad, mask[:, None]
 
     @staticmethod
     def gather(key_cache, value_cache, blocks, rows: int = 1, pad=None):

@@ -73,7 +73,7 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
                           enable_prefix_caching=engine_cfg.enable_prefix_caching)
     # A proposer is always there, so a request can ask for speculation on a worker whose
     # default k is 0 (a draft model therefore keeps its cache up to date in every step).
-    proposer = None if drafter else NgramProposer()
+    proposer = None if drafter else NgramProposer(engine_cfg.ngram_min, engine_cfg.ngram_max)
     engine = LLMEngine(limits, runner, loaded.tokenizer, cfg.vocab_size, proposer=proposer,
                        num_speculative_tokens=engine_cfg.num_speculative_tokens)
     return BuiltEngine(engine, loaded, device, dtype)
