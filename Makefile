@@ -45,7 +45,7 @@ bench-engine: install
 	$(PYTHON) -m bench.engine
 
 bench-spec: install
-	$(PYTHON) -m bench.spec
+	$(PYTHON) -m bench.spec --quantization int8 --threads 1
 
 # On a GPU machine (python3 with torch and triton is enough): bash bench/gpu/run.sh
 bench-gpu:

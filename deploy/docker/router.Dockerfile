@@ -18,7 +18,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONPATH=/app:/app/libs
 WORKDIR /app
 COPY constraints.txt ./
 # Only what this service imports, at the versions constraints.txt pins (no torch here).
-RUN pip install --no-cache-dir -c constraints.txt grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client opentelemetry-api opentelemetry-sdk pyyaml
+RUN pip install --no-cache-dir -c constraints.txt grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client opentelemetry-api opentelemetry-sdk pyyaml uvloop
 COPY libs/llmserve libs/llmserve
 COPY --from=stubs /src/out/llmserve/v1 libs/llmserve/v1
 COPY services/__init__.py services/

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import signal
 
+import uvloop
+
 from llmserve.config import load_config
 
 from .app import Router
@@ -29,4 +31,5 @@ if __name__ == "__main__":
     parser.add_argument("--config", help="YAML configuration file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(main(load_config(RouterConfig, args.config, "LLMSERVE_ROUTER")))
+    # uvloop: less CPU per proxied call and message than asyncio's loop (grpc.aio runs on any loop).
+    uvloop.run(main(load_config(RouterConfig, args.config, "LLMSERVE_ROUTER")))
