@@ -43,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "libs")]   # run as a script: import the services' configs
 
+from llmserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.conversations import config as conversations_config  # noqa: E402
 from services.gateway import config as gateway_config  # noqa: E402
 from services.router import config as router_config  # noqa: E402
@@ -152,6 +153,21 @@ def healthy(service: Service) -> bool:
         return False
 
 
+def ready(service: Service) -> bool:
+    """Healthy; a router also routes every model (its health checks have seen a worker of each),
+    so the first chat after "ready" does not race the router's first round of checks."""
+    if not healthy(service):
+        return False
+    if service.module != "services.router":
+        return True
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            reply = worker_pb2_grpc.GenerationStub(channel).ListModels(worker_pb2.ListModelsRequest(), timeout=2)
+    except grpc.RpcError:
+        return False
+    return all(m.max_context_length for m in reply.models)
+
+
 def wait_healthy(services: list[Service], stop: threading.Event, timeout_s: float, run_dir: Path) -> bool:
     deadline = time.monotonic() + timeout_s
     waiting = list(services)
@@ -162,7 +178,7 @@ def wait_healthy(services: list[Service], stop: threading.Event, timeout_s: floa
                       file=sys.stderr)
                 print(_tail(run_dir / f"{service.name}.log"), file=sys.stderr)
                 return False
-            if healthy(service):
+            if ready(service):
                 print(f"  {service.name:<14} ready", flush=True)
                 waiting.remove(service)
         if time.monotonic() > deadline:

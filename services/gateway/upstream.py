@@ -67,10 +67,13 @@ class Upstream:
         except grpc.aio.AioRpcError as e:
             raise api_error_from_grpc(e, "model service") from None
         models = {m.name: m for m in reply.models}
-        self._models = (now + self._cfg.models_cache_ttl_s, models)
+        # A model none of whose workers has reported yet (context 0) is asked about again next time.
+        if all(m.max_context_length for m in models.values()):
+            self._models = (now + self._cfg.models_cache_ttl_s, models)
         return models
 
     async def model(self, name: str) -> worker_pb2.ModelInfo:
+        """The model's description (max_context_length 0 while no worker of it has reported)."""
         info = (await self.models()).get(name)
         if info is None:
             raise ApiError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")

@@ -70,6 +70,7 @@ class Pool:
         self.workers: dict[str, Worker] = {}
         self.prefixes = PrefixIndex(max_blocks_per_worker)
         self._turn = itertools.count()   # round-robin position, shared by every policy
+        self._last_info: worker_pb2.ModelInfo | None = None
 
     def routable(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.routable]
@@ -81,9 +82,12 @@ class Pool:
         return next(self._turn)
 
     def model_info(self) -> worker_pb2.ModelInfo:
-        """What the pool's healthy workers report about the model; just its name before any has."""
+        """What the pool's healthy workers report about the model, kept while none is healthy (a
+        busy worker missing a check does not change the model); just its name before any reported."""
         reported = next((w.model_info for w in self.healthy() if w.model_info), None)
-        return reported or worker_pb2.ModelInfo(name=self.model)
+        if reported is not None:
+            self._last_info = reported
+        return self._last_info or worker_pb2.ModelInfo(name=self.model)
 
     def set_healthy(self, worker: Worker, healthy: bool) -> None:
         if not healthy:

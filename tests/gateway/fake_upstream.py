@@ -45,6 +45,7 @@ class FakeGeneration(worker_pb2_grpc.GenerationServicer, router_pb2_grpc.RouterS
     def __init__(self) -> None:
         self.calls: list[CallRecord] = []
         self.tokenize_calls = 0
+        self.models = dict(MODELS)   # name -> context length; 0: no worker has reported yet
 
     def find(self, marker: str) -> list[CallRecord]:
         return [c for c in self.calls if marker in c.request.chat.messages[-1].content]
@@ -52,7 +53,7 @@ class FakeGeneration(worker_pb2_grpc.GenerationServicer, router_pb2_grpc.RouterS
     async def ListModels(self, request, context):
         return worker_pb2.ListModelsResponse(models=[
             worker_pb2.ModelInfo(name=name, max_context_length=ctx, dtype="float32", owned_by="llmserve-test")
-            for name, ctx in MODELS.items()])
+            for name, ctx in self.models.items()])
 
     async def Tokenize(self, request, context):
         self.tokenize_calls += 1

@@ -134,3 +134,15 @@ def test_prefix_memory_is_capped_at_the_reported_kv_cache():
     assert pool.prefixes.size(worker.address) == 4
     route(policy, pool, "y" * 8 * 6)
     assert pool.prefixes.size(worker.address) == 4
+
+
+def test_the_pool_keeps_the_model_info_while_no_worker_is_healthy():
+    pool = make_pool(2)
+    assert pool.model_info() == worker_pb2.ModelInfo(name="m")          # nothing reported yet
+    info = worker_pb2.ModelInfo(name="m", max_context_length=8192)
+    for worker in pool.workers.values():
+        worker.model_info = info
+    assert pool.model_info() == info
+    for worker in pool.workers.values():
+        pool.set_healthy(worker, False)                                 # busy workers missed a check
+    assert pool.model_info().max_context_length == 8192

@@ -99,7 +99,7 @@ def test_batches_scatter_blocks_and_share_the_prefix():
 def test_decode_rows_are_grouped_by_similar_length_up_to_a_cap():
     batch = make_batch(CASES["decode_spread"], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
     TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.25)
-    groups = batch.meta.plans["torch"].short_groups
+    groups = batch.meta.plans["torch"].groups
     lens = batch.meta.seq_lens_cpu
     assert len(groups) == 4
     assert sorted(int(r) for rows, *_ in groups for r in rows) == list(range(len(lens)))

@@ -53,6 +53,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(await read_json(request))
     info = await gw.upstream.model(req.model)
     context = info.max_context_length
+    if not context:   # the router knows the model, but none of its workers has reported yet
+        raise ApiError(503, f"the model `{req.model}` has no worker ready yet; retry shortly",
+                       code="upstream_unavailable", headers={"Retry-After": "1"})
     if req.max_tokens and req.max_tokens > context:
         raise ApiError(400, f"max_completion_tokens {req.max_tokens} exceeds the context of {req.model} "
                        f"({context} tokens)", param="max_completion_tokens", code="invalid_value")

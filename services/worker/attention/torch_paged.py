@@ -1,9 +1,9 @@
 """Paged attention in plain PyTorch: the CPU path and the reference for the Triton kernels.
 
-Sequences with a few query tokens (decodes, speculative verification) are computed in padded
-batches: grouped by query count, then by similar length, each group's blocks gathered into a
-[rows, max_len] view under a causal mask offset by the cache. Longer ones (prefill, chunked
-prefill) are computed one sequence at a time.
+Sequences are attended in groups, each group's blocks gathered into a padded [rows, max_len]
+view under a causal mask offset by the cache: sequences with a few query tokens (decodes,
+speculative verification) grouped by query count and similar length, longer ones (prefill,
+chunked prefill) one per group.
 """
 
 from __future__ import annotations
@@ -34,50 +34,41 @@ class TorchPagedAttention:
         if plan is None:
             plan = meta.plans[self.name] = _Plan(meta, query.device)
         out = torch.empty_like(query)
-        for rows, blocks, pad, mask in plan.short_groups:
+        for rows, blocks, pad, mask in plan.groups:
             batch, q_len = mask.shape[0], mask.shape[2]
             keys, values = plan.gather(key_cache, value_cache, blocks, batch, pad)
             q = query[rows].view(batch, q_len, *query.shape[1:]).transpose(1, 2)
             o = _attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
             out[rows] = o.transpose(1, 2).reshape(len(rows), *query.shape[1:])
-        for lo, hi, blocks, seq_len, mask in plan.extends:
-            keys, values = plan.gather(key_cache, value_cache, blocks)
-            out[lo:hi] = _attention(query[lo:hi].transpose(0, 1), keys[0, :seq_len].transpose(0, 1),
-                                    values[0, :seq_len].transpose(0, 1), mask, scale).transpose(0, 1)
         return out
 
 
 class _Plan:
     """Gather indices and masks of one forward pass, built once and used by every layer.
 
-    Whole blocks are gathered with index_select (several times faster on CPU than gathering
-    token slots). Short sequences of one query count and similar length share a padded view;
-    each longer one gets its blocks and a causal mask offset by its cache.
+    Sequences are attended in groups, each gathered into one padded view under a causal mask
+    offset by the cache. Whole blocks are gathered with index_select (several times faster on CPU
+    than gathering token slots). Short sequences of one query count and similar length share a
+    group; a longer one (a prefill chunk) is a group of its own, so no padding multiplies its mask.
     """
 
     def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
-        bs = meta.block_size
         starts = _cumsum(meta.query_lens_cpu)
         tables = meta.block_tables.to(device=device, dtype=torch.long)
         by_q_len: dict[int, list[int]] = {}
+        groups = []
         for s, q_len in enumerate(meta.query_lens_cpu):
             if q_len <= MAX_SHORT_QUERY:
                 by_q_len.setdefault(q_len, []).append(s)
-        self.short_groups = [self._short_group(group, meta, tables, starts, device)
-                             for seqs in by_q_len.values()
-                             for group in _similar_lengths(sorted(seqs, key=meta.seq_lens_cpu.__getitem__),
-                                                           meta.seq_lens_cpu)]
-        self.extends = []
-        for s, q_len in enumerate(meta.query_lens_cpu):
-            if q_len > MAX_SHORT_QUERY:
-                seq_len = meta.seq_lens_cpu[s]
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-                self.extends.append((starts[s], starts[s] + q_len, tables[s, :-(-seq_len // bs)], seq_len, mask))
+            else:
+                groups.append([s])
+        for seqs in by_q_len.values():
+            groups += _similar_lengths(sorted(seqs, key=meta.seq_lens_cpu.__getitem__), meta.seq_lens_cpu)
+        self.groups = [self._group(group, meta, tables, starts, device) for group in groups]
 
     @staticmethod
-    def _short_group(seqs: list[int], meta: AttentionMetadata, tables: torch.Tensor, starts: list[int],
-                     device: torch.device):
+    def _group(seqs: list[int], meta: AttentionMetadata, tables: torch.Tensor, starts: list[int],
+               device: torch.device):
         """-> (query rows, blocks to gather, padded positions to zero, mask [B, 1, Q, L]) of sequences
         that all have Q query tokens: query i of a sequence sees the positions up to its own."""
         bs, q_len = meta.block_size, meta.query_lens_cpu[seqs[0]]
@@ -96,7 +87,7 @@ class _Plan:
         return rows, blocks, pad, mask[:, None]
 
     @staticmethod
-    def gather(key_cache, value_cache, blocks, rows: int = 1, pad=None):
+    def gather(key_cache, value_cache, blocks, rows: int, pad):
         """-> keys, values [rows, tokens, Hkv, D] of the given blocks.
 
         Slots past a sequence's length hold whatever the pool left there, NaN included, and a
@@ -105,8 +96,7 @@ class _Plan:
         out = []
         for cache in (key_cache, value_cache):
             x = cache.index_select(0, blocks).view(-1, *cache.shape[2:])
-            if pad is not None:
-                x.index_fill_(0, pad, 0)
+            x.index_fill_(0, pad, 0)
             out.append(x.view(rows, -1, *cache.shape[2:]))
         return out
 
