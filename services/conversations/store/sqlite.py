@@ -12,10 +12,10 @@ import asyncio
 import contextlib
 import sqlite3
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import aiosqlite
+from llmserve.sqlite import connect_sqlite
 
 from .sql import Row, SqlStore
 
@@ -49,14 +49,12 @@ class SqliteStore(SqlStore):
 
     @classmethod
     async def open(cls, path: str, busy_timeout_ms: int = 10_000) -> SqliteStore:
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        db = await aiosqlite.connect(path, isolation_level=None)   # we issue BEGIN/COMMIT ourselves
-        db.row_factory = aiosqlite.Row
-        await db.execute("PRAGMA journal_mode = WAL")
-        await db.execute("PRAGMA synchronous = FULL")    # a committed append survives power loss too
-        await db.execute("PRAGMA foreign_keys = ON")      # messages and appends cascade on delete
-        await db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        db = await connect_sqlite(
+            path,
+            pragmas=("synchronous = FULL",    # a committed append survives power loss too
+                     "foreign_keys = ON"),    # messages and appends cascade on delete
+            busy_timeout_ms=busy_timeout_ms,
+        )
         return cls(db)
 
     @asynccontextmanager

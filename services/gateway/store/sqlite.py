@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import aiosqlite
+from llmserve.sqlite import connect_sqlite
 
 from services.gateway.store.base import Database
 
@@ -19,14 +19,8 @@ class SqliteDatabase(Database):
 
     @classmethod
     async def open(cls, path: str) -> "SqliteDatabase":
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        conn = await aiosqlite.connect(path, isolation_level=None)
-        conn.row_factory = aiosqlite.Row
-        # WAL + synchronous=NORMAL: no fsync per usage record; a power cut may lose the last few.
-        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=5000"):
-            await conn.execute(f"PRAGMA {pragma}")
-        return cls(conn)
+        # synchronous=NORMAL: no fsync per usage record; a power cut may lose the last few.
+        return cls(await connect_sqlite(path, pragmas=("synchronous = NORMAL", "foreign_keys = ON"), busy_timeout_ms=5000))
 
     async def execute(self, sql: str, *args: Any) -> int:
         async with self._conn.execute(sql, args) as cur:
