@@ -56,18 +56,33 @@ def pip_installed(text: str) -> set[str]:
 
 
 def third_party_imports(service: str) -> set[str]:
-    modules = set()
-    for root in (REPO / "services" / service, REPO / "libs" / "llmserve"):
-        for path in root.rglob("*.py"):
-            if "v1" in path.relative_to(root).parts:      # generated stubs: grpc and protobuf
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    modules |= {alias.name.split(".")[0] for alias in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    modules.add(node.module.split(".")[0])
+    """Top-level modules imported by the service's code and by the libs/llmserve modules it reaches."""
+    libs = REPO / "libs"
+    queue = list((REPO / "services" / service).rglob("*.py"))
+    seen, modules = set(queue), set()
+    while queue:
+        imported = _imports(queue.pop())
+        modules |= {name.split(".")[0] for name in imported}
+        for name in imported:
+            if name.startswith("llmserve.") and not name.startswith("llmserve.v1"):  # v1: generated stubs
+                path = libs / (name.replace(".", "/") + ".py")
+                if path.exists() and path not in seen:
+                    seen.add(path)
+                    queue.append(path)
     ours = {"services", "llmserve", "__future__"}
     return {m for m in modules - ours if m not in sys.stdlib_module_names}
+
+
+def _imports(path) -> set[str]:
+    """Absolute module names a file imports (`from a import b` counts as a and a.b: b may be a module)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
 
 
 def normalize(name: str) -> str:
