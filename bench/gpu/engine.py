@@ -117,7 +117,11 @@ def main(argv=None) -> int:
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * built.dtype.itemsize
     bw = copy_bandwidth(device, (64 if args.smoke else 4096) * 2**20)
 
-    per_step, context = decode_batch1(engine, device, 64 if args.smoke else 1024, 16 if args.smoke else 128)
+    b1_prompt, b1_steps = (64, 16) if args.smoke else (1024, 128)
+    per_step, context = decode_batch1(engine, device, b1_prompt, b1_steps)
+    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None   # the same step, eager
+    eager_step, _ = decode_batch1(engine, device, b1_prompt, b1_steps)
+    engine.runner.decode_graphs = graphs
     step_bytes = weight_bytes + kv_per_token * context
     util = step_bytes / per_step / bw
     load = product_workload(engine, device, n, prompt_len, out_len, n_short)
@@ -125,6 +129,8 @@ def main(argv=None) -> int:
 
     rows = [
         ("batch-1 decode step", f"{per_step * 1e3:.2f} ms ({1 / per_step:.0f} tok/s)", ""),
+        ("batch-1 decode step without CUDA graphs", f"{eager_step * 1e3:.2f} ms "
+         f"(graphs {eager_step / per_step:.2f}x)" if graphs is not None else "graphs off", ""),
         ("batch-1 bytes per step (weights + KV)", f"{step_bytes / 2**30:.2f} GiB", ""),
         ("batch-1 memory-bandwidth utilisation", f"{util * 100:.0f}%", f">= {TARGETS['bw_util'] * 100:.0f}%"),
         (f"{n} x ({prompt_len} in, {out_len} out): output tokens/s", f"{load['tps']:.0f}", f">= {TARGETS['tps']}"),

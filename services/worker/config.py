@@ -38,6 +38,9 @@ class EngineConfig:
     max_model_len: int = 0            # 0: the model's context length
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"   # auto | torch | triton
+    # Decode steps of up to this many sequences replay CUDA graphs (Triton backend; captured on
+    # CUDA at start, padded but eager elsewhere); 0 turns them off.
+    cuda_graph_max_batch: int = 256
     num_speculative_tokens: int = 0   # default k; 0 disables speculative decoding
     speculative_method: str = "ngram" # ngram | draft_model
     draft_model: str = ""             # the draft model's source (as model.source) for draft_model

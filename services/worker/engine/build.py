@@ -65,8 +65,11 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
     log.info(kv_cache_report(cfg, num_blocks, engine_cfg.block_size, model_cfg.dtype, max_model_len=max_model_len))
     sampler = Sampler()
     drafter = DraftModelProposer(draft.model, num_blocks, engine_cfg.block_size, sampler) if draft is not None else None
+    # Graphs need a backend that plans on the device; the PyTorch one plans from host lengths.
+    graph_max_batch = min(engine_cfg.cuda_graph_max_batch, engine_cfg.max_num_seqs) if attention.name == "triton" else 0
     runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
-                         engine_cfg.block_size, dtype, device, sampler, drafter=drafter)
+                         engine_cfg.block_size, dtype, device, sampler, drafter=drafter,
+                         max_model_len=max_model_len, graph_max_batch=graph_max_batch)
     limits = EngineLimits(max_model_len=max_model_len, block_size=engine_cfg.block_size, num_blocks=num_blocks,
                           max_num_seqs=engine_cfg.max_num_seqs,
                           max_num_batched_tokens=engine_cfg.max_num_batched_tokens,

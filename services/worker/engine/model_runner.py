@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.engine.decode_graphs import DecodeGraphs
 from services.worker.engine.sampler import Sampler, SamplingRow
 from services.worker.engine.scheduler import ScheduledRequest
 from services.worker.spec.rejection import rejection_sample, verify_greedy
@@ -82,18 +83,28 @@ def forward_pass(model, kv_caches, spans: list[SeqSpan], block_size: int,
 class ModelRunner:
     def __init__(self, model, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, sampler: Sampler,
-                 drafter=None) -> None:
-        """drafter: a DraftModelProposer, or None when drafts (if any) come from the n-gram proposer."""
+                 drafter=None, max_model_len: int = 0, graph_max_batch: int = 0) -> None:
+        """drafter: a DraftModelProposer, or None when drafts (if any) come from the n-gram proposer.
+        graph_max_batch: decode steps of up to this many rows run through DecodeGraphs (0: never),
+        which needs an attention backend that reads only device tensors (Triton)."""
         self.model = model
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
         self.drafter = drafter
         self.kv_caches = kv_cache_tensors(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
+        self.decode_graphs = None
+        if graph_max_batch:
+            self.decode_graphs = DecodeGraphs(model, self.kv_caches, block_size, max_model_len, graph_max_batch, device)
+            self.decode_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> dict[str, StepResult]:
         drafts = self._drafts(batch)
+        if self._graph_step(batch):
+            logits = self.decode_graphs.run([b.request.all_token_ids[b.start_position] for b in batch],
+                                            [b.start_position for b in batch], [b.block_ids for b in batch])
+            return self._sample(batch, logits, drafts)
         spans = []
         for item in batch:
             r, start = item.request, item.start_position
@@ -108,6 +119,11 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return self._sample([b for b in batch if b.samples], logits, drafts)
+
+    def _graph_step(self, batch: list[ScheduledRequest]) -> bool:
+        """A step of plain decode rows only (one known token each, sampled, nothing to verify)."""
+        return (self.decode_graphs is not None and self.decode_graphs.fits(len(batch))
+                and all(b.num_known_tokens == 1 and not b.num_spec_tokens and b.samples for b in batch))
 
     def _drafts(self, batch: list[ScheduledRequest]) -> dict[str, Draft]:
         if self.drafter is not None:
