@@ -10,16 +10,18 @@ The hit rate is vLLM's: cached prompt tokens / prompt tokens, summed over reques
 answer's usage. The workers' own counters (vllm:prefix_cache_hits / _queries, which also count a
 preempted request's second lookup) are read before and after each policy and printed beside it.
 
-    python -m bench.router [--workers 6] [--users 18] [--turns 6] [--max-tokens 12] [--kv-blocks 96]
+    python -m bench.router [--workers 8] [--users 48] [--turns 6] [--max-tokens 12] [--kv-blocks 160]
 
-The default shape is the regime routing is for: all conversations fit in the workers' caches
-together but not in any single one (round-robin makes every worker hold every conversation); the
-report prints the conversations' final size in KV blocks beside the caches' so this can be checked.
-Each worker runs one torch thread with passive OpenMP waiting (tests.procs.worker_env).
+The default shape is the regime routing is for: six users a worker, whose conversations all fit
+in the pool's caches together but not in any single worker's (round-robin makes every worker hold
+every conversation, so its copies evict one another); the report prints the conversations' final
+size in KV blocks beside the caches' so this can be checked. Each worker runs one torch thread
+with passive OpenMP waiting (tests.procs.worker_env).
 
-Six workers by default: round-robin lands a turn on the worker holding its conversation about one
-time in `workers`, and the first block (the shared system prompt) is a hit under any policy, so the
-hit-rate ratio stays well under the worker count (figures for 4 and 6 workers in docs/perf/router.md).
+Round-robin lands a turn on the worker that served the previous one about one time in `workers`,
+and the first block (the shared system prompt) is a hit under any policy. With few users a worker
+(three, the earlier default) every worker's cache also keeps older turns of every conversation,
+and round-robin's hit rate stays at 27-34% (docs/perf/router.md has both shapes).
 """
 
 from __future__ import annotations
@@ -206,14 +208,14 @@ async def bench(args, addresses: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=6)
-    parser.add_argument("--users", type=int, default=18)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--users", type=int, default=48)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--words", type=int, default=20, help="words of notes in each user message")
-    parser.add_argument("--think-s", type=float, default=4.0, help="mean seconds a user waits between turns")
+    parser.add_argument("--think-s", type=float, default=8.0, help="mean seconds a user waits between turns")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--arrival-s", type=float, default=0.25, help="seconds between users' arrivals")
-    parser.add_argument("--kv-blocks", type=int, default=96, help="KV blocks (16 tokens) per worker")
+    parser.add_argument("--kv-blocks", type=int, default=160, help="KV blocks (16 tokens) per worker")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         workers = start_workers(stack, Path(tmp), args.workers, engine__num_blocks=str(args.kv_blocks),

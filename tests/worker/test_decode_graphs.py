@@ -113,3 +113,14 @@ def test_graphs_only_with_the_triton_backend_and_bounded_by_max_num_seqs(
     engine = _engine(loaded, attention_backend=backend, cuda_graph_max_batch=max_batch)
     graphs = engine.runner.decode_graphs
     assert (graphs.sizes[-1] if graphs else None) == expected
+
+
+def test_a_failed_capture_leaves_decode_steps_eager(triton_model, torch_model, monkeypatch):
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "capture", fail)
+    engine = _engine(triton_model, attention_backend="triton", cuda_graph_max_batch=4)
+    assert engine.runner.decode_graphs is None
+    prompts = {"a": (list(range(100, 121)), 4)}
+    assert _greedy(engine, prompts) == _greedy(_engine(torch_model, attention_backend="torch"), prompts)

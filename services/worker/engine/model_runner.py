@@ -9,6 +9,7 @@ are the n-gram proposer's, already on the request.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,6 +20,8 @@ from services.worker.engine.decode_graphs import DecodeGraphs
 from services.worker.engine.sampler import Sampler, SamplingRow
 from services.worker.engine.scheduler import ScheduledRequest
 from services.worker.spec.rejection import rejection_sample, verify_greedy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,8 +98,12 @@ class ModelRunner:
         self.kv_caches = kv_cache_tensors(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
         self.decode_graphs = None
         if graph_max_batch:
-            self.decode_graphs = DecodeGraphs(model, self.kv_caches, block_size, max_model_len, graph_max_batch, device)
-            self.decode_graphs.capture()
+            graphs = DecodeGraphs(model, self.kv_caches, block_size, max_model_len, graph_max_batch, device)
+            try:
+                graphs.capture()
+                self.decode_graphs = graphs
+            except RuntimeError:   # a model or kernel that cannot be captured still serves, eagerly
+                log.exception("capturing decode CUDA graphs failed; decode steps run eagerly")
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> dict[str, StepResult]:
