@@ -25,3 +25,12 @@ def test_gpu_bench_smoke_run(tmp_path):
     assert [(r[1].strip(), r[4].strip()) for r in rows] == [("40", "unified"), ("600", "split x2")]
     assert all(float(r[5]) > 0 for r in rows)              # a Triton time for every case
     assert all(float(r[10]) < 2e-2 for r in rows)          # and it agreed with the reference
+
+    fused = (tmp_path / "gpu_fused.md").read_text()
+    rows = [line.split("|")[1:-1] for line in fused.splitlines() if line.startswith("| ") and "µs" not in line]
+    assert sorted((r[0].strip(), int(r[1])) for r in rows) == sorted(
+        (op, tokens) for op in ("residual add + RMSNorm", "rotary (q and k)", "SiLU and multiply") for tokens in (1, 7))
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+    engine = (tmp_path / "gpu_engine.md").read_text()
+    assert "batch-1 decode step without CUDA graphs | graphs off" in engine   # the CPU smoke runs the torch backend
