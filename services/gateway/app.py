@@ -22,6 +22,7 @@ from services.gateway.metering import Metering
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard
 from services.gateway.pool_watch import PoolWatch
+from services.gateway.replicas import make_replicas
 from services.gateway.ratelimit import RateLimiter, make_rate_limiter
 from services.gateway.request_context import REQUEST_ID
 from services.gateway.safety.policy import load_safety_policy
@@ -81,7 +82,8 @@ async def open_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | Non
     if cfg.local_mode.enabled:
         await ensure_dev_key(store, cfg.local_mode.organization, cfg.local_mode.api_key)
     if cfg.overload.max_in_flight_per_worker > 0:
-        gw.pool_watch = PoolWatch(gw.upstream, gw.overload, cfg.overload.workers_poll_s)
+        replicas = make_replicas(cfg.rate_limit, beat_s=cfg.overload.workers_poll_s)
+        gw.pool_watch = PoolWatch(gw.upstream, gw.overload, replicas, cfg.overload.workers_poll_s)
         gw.pool_watch.start()
     return gw
 

@@ -62,7 +62,8 @@ class OverloadConfig:
     # The in-flight limit of a model: max_in_flight_per_worker x its routable workers (the router's
     # ListWorkers, polled every workers_poll_s; one worker when the upstream is a worker), kept within
     # [min_in_flight_per_model, max_in_flight_per_model]. 0: a fixed max_in_flight_per_model.
-    # Per gateway replica: with N replicas a worker may get N x max_in_flight_per_worker.
+    # Replicas sharing the Redis rate limiter share this budget (heartbeats in Redis, one a poll):
+    # each admits 1/N of it, rounded up. With the memory backend a replica counts itself alone.
     max_in_flight_per_worker: int = 0
     min_in_flight_per_model: int = 1
     max_in_flight_per_model: int = 64

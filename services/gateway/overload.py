@@ -3,9 +3,10 @@
 Past the queue, or after queue_timeout_s in it, a request is refused at once (429 or 503 with
 Retry-After), so the admitted ones keep their latency while the excess goes elsewhere.
 
-The limit follows the pool: max_in_flight_per_worker x the model's routable workers (set_workers,
-fed by pool_watch.py), within [min_in_flight_per_model, max_in_flight_per_model]; with
-max_in_flight_per_worker 0 it is max_in_flight_per_model. Each gateway replica applies it alone.
+The limit follows the pool: max_in_flight_per_worker x the model's routable workers, shared among
+the gateway replicas (this one takes 1/replicas of it, rounded up), within
+[min_in_flight_per_model, max_in_flight_per_model]; set_workers is fed by pool_watch.py. With
+max_in_flight_per_worker 0 it is a fixed max_in_flight_per_model per replica.
 """
 
 from __future__ import annotations
@@ -72,18 +73,20 @@ class OverloadGuard:
         self._gates: dict[str, _ModelGate] = {}
         self._workers: Mapping[str, int] = {}
         self._default_workers = 0     # for a model the pool view does not list
+        self._replicas = 1            # gateway replicas sharing the workers
 
     def limit(self, model: str) -> int:
         cfg = self._cfg
         if cfg.max_in_flight_per_worker <= 0:
             return cfg.max_in_flight_per_model
         workers = self._workers.get(model, self._default_workers)
-        return min(max(cfg.max_in_flight_per_worker * workers, cfg.min_in_flight_per_model),
-                   cfg.max_in_flight_per_model)
+        share = -(-cfg.max_in_flight_per_worker * workers // self._replicas)
+        return min(max(share, cfg.min_in_flight_per_model), cfg.max_in_flight_per_model)
 
-    def set_workers(self, workers: Mapping[str, int], default: int = 0) -> None:
-        """The routable workers of each model (`default` for the others); limits follow at once."""
-        self._workers, self._default_workers = dict(workers), default
+    def set_workers(self, workers: Mapping[str, int], default: int = 0, replicas: int = 1) -> None:
+        """The routable workers of each model (`default` for the others) and the gateway replicas
+        sharing them; limits follow at once."""
+        self._workers, self._default_workers, self._replicas = dict(workers), default, max(1, replicas)
         for model in set(self._gates) | set(workers):
             self._gate(model)
         for model, gate in self._gates.items():

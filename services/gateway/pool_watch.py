@@ -1,5 +1,6 @@
 """The overload guard's view of the pool: how many workers of each model are routable (healthy,
-not drained by the admin, not shutting down), polled from the router's ListWorkers.
+not drained by the admin, not shutting down), polled from the router's ListWorkers, and how many
+gateway replicas share them (replicas.py, one heartbeat a poll).
 
 An upstream that is a single worker (no Router service) counts as one worker per model. A failed
 poll keeps the last counts: while the router is unreachable requests fail on their own anyway.
@@ -13,15 +14,17 @@ from collections import Counter
 
 from services.gateway.errors import ApiError
 from services.gateway.overload import OverloadGuard
+from services.gateway.replicas import Replicas
 from services.gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
 
 class PoolWatch:
-    def __init__(self, upstream: Upstream, guard: OverloadGuard, interval_s: float):
+    def __init__(self, upstream: Upstream, guard: OverloadGuard, replicas: Replicas, interval_s: float):
         self._upstream = upstream
         self._guard = guard
+        self._replicas = replicas
         self._interval_s = interval_s
         self._task: asyncio.Task | None = None
 
@@ -32,19 +35,21 @@ class PoolWatch:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self._replicas.close()
 
     async def poll(self) -> bool:
         """One poll; False when there is nothing to poll (the upstream is a worker)."""
+        replicas = await self._replicas.beat()
         try:
             workers = await self._upstream.list_workers()
         except ApiError as e:
             if e.status == 501:
-                self._guard.set_workers({}, default=1)
+                self._guard.set_workers({}, default=1, replicas=replicas)
                 return False
             return True       # logged by the upstream client
         routable = Counter({w.model: 0 for w in workers})
         routable.update(w.model for w in workers if w.healthy and not w.draining and not w.load.draining)
-        self._guard.set_workers(routable)
+        self._guard.set_workers(routable, replicas=replicas)
         return True
 
     async def _run(self) -> None:

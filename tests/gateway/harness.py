@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 from typing import Any, Coroutine
 
@@ -17,6 +18,7 @@ from services.gateway.config import GatewayConfig
 from tests.gateway.fake_upstream import FakeGeneration, start_fake_upstream
 
 ADMIN_TOKEN = "test-admin-token"
+REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def gateway_config(database_url: str, conversations_address: str, **sections: Any) -> GatewayConfig:

@@ -8,13 +8,10 @@ Redis TIME, so its time-dependent numbers are checked within a tolerance.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import uuid
 from dataclasses import dataclass
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
@@ -22,7 +19,8 @@ from services.gateway.ratelimit import Limit, RateLimitConfig, make_rate_limiter
 from services.gateway.ratelimit.memory import MemoryRateLimiter
 from services.gateway.ratelimit.redis_backend import RedisRateLimiter, bucket_key
 
-REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+from tests.gateway.harness import REDIS_URL
+
 UNREACHABLE_REDIS_URL = "redis://127.0.0.1:1/0"
 TOLERANCE_S = 0.5  # Redis's clock moves while the test runs
 
@@ -66,24 +64,6 @@ class Backend:
     async def close(self) -> None:
         for limiter in self._made:
             await limiter.close()
-
-
-@pytest.fixture
-def redis_prefix():
-    """A fresh key prefix; its keys are deleted afterwards. Synchronous, so `backend` can ask for it."""
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        client.close()
-        pytest.fail(f"Redis at {REDIS_URL} is unreachable ({e!r}); the rate limiter tests need it running "
-                    f"(set LLMSERVE_TEST_REDIS_URL to use another one)")
-    prefix = f"llmserve:test:rl:{uuid.uuid4().hex}:"
-    yield prefix
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 @pytest.fixture(params=["memory", "redis"])
