@@ -3,14 +3,12 @@ and gateways over the scripted fake upstream."""
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-import redis
 
-from tests.gateway.harness import REDIS_URL, GatewayHarness, gateway_config
+from tests.gateway.harness import GatewayHarness, gateway_config, redis_key_prefix
 from tests.procs import free_port, service
 
 
@@ -32,18 +30,7 @@ def gateway(tmp_path_factory, conversations_address) -> Iterator[GatewayHarness]
 
 
 @pytest.fixture
-def redis_prefix():
-    """A fresh key prefix; its keys are deleted afterwards. Synchronous, so `backend` can ask for it."""
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        client.close()
-        pytest.fail(f"Redis at {REDIS_URL} is unreachable ({e!r}); the rate limiter and replica tests need it running "
-                    f"(set LLMSERVE_TEST_REDIS_URL to use another one)")
-    prefix = f"llmserve:test:rl:{uuid.uuid4().hex}:"
-    yield prefix
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+def redis_prefix() -> Iterator[str]:
+    """Synchronous, so that other fixtures can ask for it by name."""
+    with redis_key_prefix() as prefix:
+        yield prefix

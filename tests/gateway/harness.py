@@ -4,12 +4,16 @@ openai client can call it), over the scripted fake upstream and the real convers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
-from typing import Any, Coroutine
+import uuid
+from typing import Any, Coroutine, Iterator
 
 import httpx
+import pytest
+import redis
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -19,6 +23,26 @@ from tests.gateway.fake_upstream import FakeGeneration, start_fake_upstream
 
 ADMIN_TOKEN = "test-admin-token"
 REDIS_URL = os.environ.get("LLMSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@contextlib.contextmanager
+def redis_key_prefix() -> Iterator[str]:
+    """A fresh key prefix in the real Redis; its keys are deleted afterwards."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        client.close()
+        pytest.fail(f"Redis at {REDIS_URL} is unreachable ({e!r}); the gateway's rate limiter and replica "
+                    f"tests need it running (set LLMSERVE_TEST_REDIS_URL to use another one)", pytrace=False)
+    prefix = f"llmserve:test:{uuid.uuid4().hex}:"
+    try:
+        yield prefix
+    finally:
+        keys = list(client.scan_iter(match=prefix + "*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 def gateway_config(database_url: str, conversations_address: str, **sections: Any) -> GatewayConfig:

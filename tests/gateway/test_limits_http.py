@@ -4,31 +4,19 @@ answers); headers' values; TPM reservation and refund; Redis down, open or close
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 
 import pytest
-import redis
 
-from tests.gateway.harness import GatewayHarness, gateway_config
+from tests.gateway.harness import REDIS_URL, GatewayHarness, gateway_config, redis_key_prefix
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 OK = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100}
 
 
 @pytest.fixture(scope="module")
 def redis_prefix():
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as e:
-        pytest.fail(f"Redis is not reachable at {REDIS_URL}: {e}", pytrace=False)
-    prefix = f"llmserve:test:gw:{secrets.token_hex(4)}:"
-    yield prefix
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    with redis_key_prefix() as prefix:
+        yield prefix
 
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
