@@ -19,6 +19,7 @@ from services.worker.engine.decode_graphs import DecodeGraphs, bucket_sizes
 from services.worker.engine.model_runner import SeqSpan, forward_pass
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.model.loader import load_model
+from tests.worker.test_engine import run
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -73,13 +74,9 @@ def _engine(loaded, **kwargs):
 
 
 def _greedy(engine, prompts: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
-    for rid, (ids, max_tokens) in prompts.items():
-        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-    return tokens
+    results = run(engine, {rid: (ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                           for rid, (ids, max_tokens) in prompts.items()})
+    return {rid: result.tokens for rid, result in results.items()}
 
 
 def test_engine_decodes_through_the_graph_path_token_for_token(triton_model, torch_model, monkeypatch):

@@ -41,3 +41,14 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token at `position`, given the sequence's block table."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
+def padded_block_tables(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables as rows of one width, padded with block 0 (never read past a row's length)."""
+    width = max(len(table) for table in tables)
+    return [list(table) + [0] * (width - len(table)) for table in tables]

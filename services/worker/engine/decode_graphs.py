@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.metadata import AttentionMetadata, cache_slot, padded_block_tables
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,12 @@ class DecodeGraphs:
         valid until the next run."""
         n = len(token_ids)
         size = next(s for s in self.sizes if s >= n)
-        bs = self.block_size
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
-        width = max(len(table) for table in block_tables)
-        tables = [list(table) + [0] * (width - len(table)) for table in block_tables]
+        slots = [cache_slot(table, p, self.block_size) for table, p in zip(block_tables, positions)]
+        tables = torch.tensor(padded_block_tables(block_tables), dtype=torch.int32)
         self.rows[:, :n].copy_(torch.tensor([list(token_ids), list(positions), slots], dtype=torch.long))
         self.rows[:2, n:size] = 0
         self.rows[2, n:size] = PADDING_SLOT
-        self.block_tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        self.block_tables[:n, :tables.shape[1]].copy_(tables)
         self.block_tables[n:size, 0] = 0
         if size in self._graphs:
             graph, logits = self._graphs[size]

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.metadata import AttentionMetadata, cache_slot, padded_block_tables
 from services.worker.engine.decode_graphs import DecodeGraphs
 from services.worker.engine.sampler import Sampler, SamplingRow
 from services.worker.engine.scheduler import ScheduledRequest
@@ -64,12 +64,11 @@ def forward_pass(model, kv_caches, spans: list[SeqSpan], block_size: int,
         span = range(start, start + len(tokens))
         input_ids += tokens
         positions += span
-        slots += [block_ids[p // block_size] * block_size + p % block_size for p in span]
+        slots += [cache_slot(block_ids, p, block_size) for p in span]
         query_lens.append(len(tokens))
         seq_lens.append(span.stop)
         ends.append(len(input_ids))
-    max_blocks = max(len(s.block_ids) for s in spans)
-    table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in spans]   # one tensor, not one per row
+    table = padded_block_tables([s.block_ids for s in spans])   # one tensor, not one per row
     starts = [0] + ends
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
