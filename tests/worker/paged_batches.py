@@ -99,6 +99,23 @@ def make_batch(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int
     return PagedBatch(query, key_cache, value_cache, meta, keys, values)
 
 
+def poison_blocks_before_window(batch: PagedBatch, window: int) -> int:
+    """Fills with NaN every block that lies wholly before the window of its sequence's first query
+    row (blocks that may have gone back to the pool) and is no other sequence's live block;
+    returns how many. A kernel that skips them still matches the reference."""
+    meta, bs = batch.meta, batch.meta.block_size
+    live, dead = set(), set()
+    for s, (n, q) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        first = max(0, n - q - window + 1) // bs
+        row = meta.block_tables[s].tolist()
+        dead.update(row[:first])
+        live.update(row[first:-(-n // bs)])
+    for block in dead - live:
+        batch.key_cache[block] = float("nan")
+        batch.value_cache[block] = float("nan")
+    return len(dead - live)
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN, so rows a kernel forgets to write are caught."""
     return torch.full_like(t, float("nan"))
@@ -114,15 +131,16 @@ TOLERANCE = {
 }
 
 
-def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+def reference_attention(batch: PagedBatch, scale: float, window: int | None = None) -> torch.Tensor:
     """The PyTorch reference on the batch upcast to float32."""
     exact = batch.upcast()
     return TorchPagedAttention().attend(exact.query, exact.key_cache, exact.value_cache,
-                                        batch.meta, scale)
+                                        batch.meta, scale, window=window)
 
 
-def assert_matches_reference(out: torch.Tensor, batch: PagedBatch, scale: float) -> None:
-    expected = reference_attention(batch, scale)
+def assert_matches_reference(out: torch.Tensor, batch: PagedBatch, scale: float,
+                             window: int | None = None) -> None:
+    expected = reference_attention(batch, scale, window)
     assert out.dtype == batch.query.dtype
     assert not torch.isnan(out).any(), "rows left unwritten (NaN-poisoned output)"
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[batch.query.dtype])

@@ -10,9 +10,11 @@ from services.worker.attention.torch_paged import TorchPagedAttention
 from tests.worker.paged_batches import make_batch, poisoned_like
 
 
-def dense_causal_attention(batch, scale: float) -> torch.Tensor:
+def dense_causal_attention(batch, scale: float, window: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v per sequence, query j of a sequence at position seq_len - q_len + j
-    seeing positions <= its own; kv head of query head h is h // (num_heads / num_kv_heads)."""
+    seeing positions <= its own (with a window W, the W positions ending at its own, as
+    transformers' sliding-window mask kv_idx > q_idx - W); kv head of query head h is
+    h // (num_heads / num_kv_heads)."""
     meta = batch.meta
     num_heads = batch.query.shape[1]
     group = num_heads // batch.keys[0].shape[1]
@@ -22,10 +24,11 @@ def dense_causal_attention(batch, scale: float) -> torch.Tensor:
                                             meta.seq_lens_cpu):
         for j in range(q_len):
             visible = seq_len - q_len + j + 1
+            first = 0 if window is None else max(0, visible - window)
             for h in range(num_heads):
                 q = batch.query[row + j, h].double()
-                k = keys[:visible, h // group].double()
-                v = values[:visible, h // group].double()
+                k = keys[first:visible, h // group].double()
+                v = values[first:visible, h // group].double()
                 out[row + j, h] = torch.softmax(k @ q * scale, dim=0) @ v
         row += q_len
     return out
@@ -99,9 +102,71 @@ def test_batches_scatter_blocks_and_share_the_prefix():
 def test_decode_rows_are_grouped_by_similar_length_up_to_a_cap():
     batch = make_batch(CASES["decode_spread"], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
     TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.25)
-    groups = batch.meta.plans["torch"].groups
+    groups = batch.meta.plans[("torch", None)].groups
     lens = batch.meta.seq_lens_cpu
     assert len(groups) == 4
     assert sorted(int(r) for rows, *_ in groups for r in rows) == list(range(len(lens)))
     firsts = [lens[int(rows[0])] for rows, *_ in groups]
     assert firsts == sorted(firsts)   # each group holds a run of the sorted lengths
+
+
+# (cached, new) per sequence around a window: contexts shorter, equal to and longer than it,
+# prefill chunks whose rows' windows start in different blocks, windows ending on block edges.
+WINDOW_CASES = {
+    "decode": [(15, 1), (16, 1), (0, 1), (47, 1), (100, 1), (31, 1)],
+    "prefill": [(0, 40), (0, 9)],
+    "chunk": [(50, 20), (33, 12), (64, 16)],
+    "mixed": [(37, 1), (0, 17), (20, 13), (90, 1), (40, 4), (47, 3)],
+}
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 32, 200])
+def test_reference_sliding_window_matches_dense_attention(case, window):
+    batch = make_batch(WINDOW_CASES[case], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                       shared_blocks=1, seed=window)
+    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
+                                       batch.meta, 0.25, window=window)
+    torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25, window),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_and_global_layers_share_one_metadata():
+    """Gemma 3 interleaves windowed and global layers over one pass's metadata: each keeps its own
+    plan, and a window wider than every context is the same as none."""
+    batch = make_batch(WINDOW_CASES["mixed"], num_heads=4, num_kv_heads=2, head_dim=16,
+                       block_size=16, seed=1)
+    backend = TorchPagedAttention()
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.25)
+    for _ in range(2):
+        local, full = backend.attend(*args, window=8), backend.attend(*args)
+        torch.testing.assert_close(local.double(), dense_causal_attention(batch, 0.25, 8),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(full.double(), dense_causal_attention(batch, 0.25),
+                                   atol=1e-5, rtol=1e-5)
+    assert set(batch.meta.plans) == {("torch", 8), ("torch", None)}
+    torch.testing.assert_close(backend.attend(*args, window=10**6), full)
+
+
+def test_sliding_window_never_reads_blocks_before_the_window():
+    """A block wholly before the window of a sequence's first query row may have gone back to the
+    pool and hold anything: poison it and the result must not change."""
+    batch = make_batch([(70, 1), (40, 9)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    tables = batch.meta.block_tables
+    for s, first_block in ((0, 70 - 20 + 1), (1, 40 - 20 + 1)):
+        for b in range(first_block // 16):
+            batch.key_cache[tables[s, b]] = float("nan")
+            batch.value_cache[tables[s, b]] = float("nan")
+    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
+                                       batch.meta, 0.25, window=20)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25, 20),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5])
+def test_bad_window_raises(window):
+    batch = make_batch([(5, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    with pytest.raises(ValueError, match="sliding window"):
+        TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                                     0.25, window=window)

@@ -1,8 +1,13 @@
 """The interface between the model and its attention kernels.
 
 A backend writes the new keys and values into their cache slots and computes attention of the
-new queries over each sequence's whole paged context. The PyTorch backend is the reference and
-the CPU path; the Triton backend is the GPU path and must match it.
+new queries over each sequence's paged context: the whole causal context, or with a sliding
+window of W only the last W positions up to and including the query's own (a query at position
+p sees p - W + 1 .. p, transformers' `kv_idx > q_idx - sliding_window`). The window is a
+per-layer argument (Gemma 3 mixes sliding and global layers; every layer shares one metadata).
+The PyTorch backend is the reference and the CPU path; the Triton backend is the GPU path and
+must match it. Neither reads cache blocks that lie wholly before the window of a sequence's
+first query row, so such blocks may be reused by other sequences.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ class AttentionBackend(Protocol):
         """key, value: [num_tokens, num_kv_heads, head_dim] into the slots of slot_mapping."""
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim];
+        window: sliding-window size W >= 1, or None for full causal attention."""
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -3,7 +3,8 @@
 The batch is flattened: the new (query) tokens of all sequences lie one after another, sequence
 s owning rows query_start_loc[s]:query_start_loc[s+1]. A sequence's new tokens are the last
 query_len of its seq_len tokens, so query row j of sequence s sits at position
-seq_len[s] - query_len[s] + j and attends causally to positions 0..that position.
+seq_len[s] - query_len[s] + j and attends causally to positions 0..that position, or, in a
+layer with a sliding window of W, to the last W of them (first_visible_position).
 Decode rows have one query token, prefill and chunked-prefill rows many, speculative
 verification rows k+1.
 
@@ -41,6 +42,17 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+def first_visible_position(position: int, window: int | None) -> int:
+    """The earliest position a query at `position` attends to: 0, or with a sliding window of W
+    the last W positions including its own (transformers: kv_idx > q_idx - sliding_window)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding window must be a positive int or None, got {window!r}")
 
 
 def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:

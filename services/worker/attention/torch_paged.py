@@ -3,7 +3,9 @@
 Sequences are attended in groups, each group's blocks gathered into a padded [rows, max_len]
 view under a causal mask offset by the cache: sequences with a few query tokens (decodes,
 speculative verification) grouped by query count and similar length, longer ones (prefill,
-chunked prefill) one per group.
+chunked prefill) one per group. With a sliding window, a sequence's gather starts at the block
+holding its first query row's earliest visible position, so blocks wholly outside the window are
+neither read nor attended over.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.metadata import AttentionMetadata, check_window, first_visible_position
 
 
 # Sequences with at most this many new tokens (decodes, speculative verification) are attended in
@@ -29,10 +31,12 @@ class TorchPagedAttention:
         value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slot_mapping] = value
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = meta.plans.get(self.name)
+               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        key = (self.name, window)
+        plan = meta.plans.get(key)
         if plan is None:
-            plan = meta.plans[self.name] = _Plan(meta, query.device)
+            check_window(window)
+            plan = meta.plans[key] = _Plan(meta, query.device, window)
         out = torch.empty_like(query)
         for rows, blocks, pad, mask in plan.groups:
             batch, q_len = mask.shape[0], mask.shape[2]
@@ -52,7 +56,7 @@ class _Plan:
     group; a longer one (a prefill chunk) is a group of its own, so no padding multiplies its mask.
     """
 
-    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+    def __init__(self, meta: AttentionMetadata, device: torch.device, window: int | None) -> None:
         starts = _cumsum(meta.query_lens_cpu)
         tables = meta.block_tables.to(device=device, dtype=torch.long)
         by_q_len: dict[int, list[int]] = {}
@@ -62,27 +66,38 @@ class _Plan:
                 by_q_len.setdefault(q_len, []).append(s)
             else:
                 groups.append([s])
+        # With a window, what a row gathers is at most window + q_len - 1 positions.
+        spans = [min(n, q + window - 1) if window else n
+                 for n, q in zip(meta.seq_lens_cpu, meta.query_lens_cpu)]
         for seqs in by_q_len.values():
-            groups += _similar_lengths(sorted(seqs, key=meta.seq_lens_cpu.__getitem__), meta.seq_lens_cpu)
-        self.groups = [self._group(group, meta, tables, starts, device) for group in groups]
+            groups += _similar_lengths(sorted(seqs, key=spans.__getitem__), spans)
+        self.groups = [self._group(group, meta, tables, starts, device, window) for group in groups]
 
     @staticmethod
     def _group(seqs: list[int], meta: AttentionMetadata, tables: torch.Tensor, starts: list[int],
-               device: torch.device):
+               device: torch.device, window: int | None):
         """-> (query rows, blocks to gather, padded positions to zero, mask [B, 1, Q, L]) of sequences
-        that all have Q query tokens: query i of a sequence sees the positions up to its own."""
+        that all have Q query tokens: query i of a sequence sees the positions up to its own (the
+        last `window` of them). Row b gathers its blocks from first_block[b] on."""
         bs, q_len = meta.block_size, meta.query_lens_cpu[seqs[0]]
-        lens = torch.tensor([meta.seq_lens_cpu[s] for s in seqs], device=device)
-        num_blocks = -(-int(lens.max()) // bs)
-        table_rows = tables[torch.tensor(seqs, device=device), :num_blocks]
-        block_used = torch.arange(num_blocks, device=device)[None, :] * bs < lens[:, None]
+        seq_lens = [meta.seq_lens_cpu[s] for s in seqs]
+        first = [first_visible_position(n - q_len, window) // bs for n in seq_lens]
+        lens = torch.tensor(seq_lens, device=device)
+        first_block = torch.tensor(first, device=device)
+        num_blocks = max(-(-n // bs) - f for n, f in zip(seq_lens, first))
+        table_cols = first_block[:, None] + torch.arange(num_blocks, device=device)[None, :]   # [B, N]
+        block_used = table_cols * bs < lens[:, None]
+        table_rows = tables[torch.tensor(seqs, device=device)[:, None],
+                            table_cols.clamp(max=tables.shape[1] - 1)]
         # Table padding points at the row's own first block: real data, never out of range.
         blocks = torch.where(block_used, table_rows, table_rows[:, :1]).flatten()
-        positions = torch.arange(num_blocks * bs, device=device)
-        valid = positions[None, :] < lens[:, None]                                  # [B, L]
+        positions = (first_block * bs)[:, None] + torch.arange(num_blocks * bs, device=device)[None, :]
+        valid = positions < lens[:, None]                                           # [B, L]
         pad = (~valid).flatten().nonzero().squeeze(1)    # positions in the [B * L] gather
         last_seen = lens[:, None] - q_len + torch.arange(q_len, device=device)[None, :]    # [B, Q]
-        mask = positions[None, None, :] <= last_seen[:, :, None]                    # [B, Q, L]
+        mask = positions[:, None, :] <= last_seen[:, :, None]                       # [B, Q, L]
+        if window is not None:
+            mask &= positions[:, None, :] > last_seen[:, :, None] - window
         rows = torch.tensor([starts[s] + i for s in seqs for i in range(q_len)], device=device)
         return rows, blocks, pad, mask[:, None]
 

@@ -37,16 +37,21 @@ class TritonPagedAttention:
         write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         args = (query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, meta.max_query_len, scale)
-        splits = self.num_splits(meta, num_kv_heads=key_cache.shape[2], device=query.device)
+        splits = self.num_splits(meta, num_kv_heads=key_cache.shape[2], device=query.device,
+                                 window=window)
         if splits > 1:
-            return split_kv_attention(*args, num_splits=splits, tile_n=self.tile_n)
-        return paged_attention(*args, tile_n=self.tile_n)
+            return split_kv_attention(*args, num_splits=splits, tile_n=self.tile_n, window=window)
+        return paged_attention(*args, tile_n=self.tile_n, window=window)
 
-    def num_splits(self, meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+    def num_splits(self, meta: AttentionMetadata, num_kv_heads: int, device: torch.device,
+                   window: int | None = None) -> int:
+        """Split only contexts long enough within their window: a short window never splits."""
         if meta.max_query_len > SPLIT_MAX_QUERY_LEN:
             return 1
         num_sms = self.num_sms or _multiprocessor_count(device)
-        return choose_num_splits(meta.num_seqs, num_kv_heads, meta.max_seq_len, num_sms)
+        span = meta.max_seq_len if window is None else min(meta.max_seq_len,
+                                                             window + meta.max_query_len - 1)
+        return choose_num_splits(meta.num_seqs, num_kv_heads, span, num_sms)

@@ -7,7 +7,10 @@ times the Q_PER_KV query heads that share one KV head (GQA). Each row of the til
 a decode row (one token) still fills a tl.dot of BLOCK_M >= 16 rows with its heads. The program
 walks the sequence's block table TILE_N cached tokens at a time with an online softmax in fp32
 (base 2), causal by each row's position: query token j of a sequence with seq_len tokens, q_len
-of them new, sits at position seq_len - q_len + j.
+of them new, sits at position seq_len - q_len + j. With a sliding window of W a row also sees
+only positions > its own - W, and the walk starts at the first position the tile's first row
+sees, so blocks wholly outside the window are never loaded. A layer without a window passes
+NO_WINDOW, wider than any context, so one compiled kernel serves both kinds of layer.
 
 The helpers here are shared with the split-KV kernel (split_kv.py), which runs the same walk
 over one segment of the context per program.
@@ -19,10 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.attention.metadata import check_window
 from services.worker.attention.triton.common import (
     LOG2_E, check_last_dim_contiguous, compute_dtype, dot_precision, next_pow2)
 
 DEFAULT_TILE_N = 64  # cached tokens per step of the walk; a multiple of 16, may span several blocks
+NO_WINDOW = 1 << 30  # the window of a global layer: position - NO_WINDOW stays within int32
 
 
 @triton.jit
@@ -68,13 +73,13 @@ def _row_offsets(q_start, token, head, stride_t, stride_h):
 
 
 @triton.jit
-def _attend_range(q, position, key_cache, value_cache, block_table, kv_head, kv_lo, kv_hi,
+def _attend_range(q, position, key_cache, value_cache, block_table, kv_head, kv_lo, kv_hi, window,
                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
                   BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Online softmax of the tile's queries over cached positions [kv_lo, kv_hi), each row seeing
-    positions <= its own. Returns the unnormalised output, the row sums and the row maxima, all
+    the positions in (its own - window, its own]. Returns the unnormalised output, the row sums and the row maxima, all
     fp32 with scores in base 2 (qk_scale includes log2(e))."""
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
@@ -93,7 +98,8 @@ def _attend_range(q, position, key_cache, value_cache, block_table, kv_head, kv_
         v = tl.load(v_rows[:, None] + dims[None, :], mask=t_ok[:, None] & dim_ok[None, :],
                     other=0.0).to(DTYPE)                                    # [TILE_N, HEAD_PAD]
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        visible = (t[None, :] <= position[:, None]) & t_ok[None, :]
+        visible = (t[None, :] <= position[:, None]) & (t[None, :] > position[:, None] - window) \
+            & t_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         # A row that has seen no key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
@@ -104,6 +110,15 @@ def _attend_range(q, position, key_cache, value_cache, block_table, kv_head, kv_
         acc = acc * rescale[:, None] + tl.dot(p.to(DTYPE), v, input_precision=PRECISION)
         row_max = new_max
     return acc, row_sum, row_max
+
+
+@triton.jit
+def _tile_kv_range(q_tile, q_len, seq_len, window, BLOCK_Q: tl.constexpr):
+    """[lo, hi) of the positions some row of the tile sees: from the first row's window start to
+    the last row's own position."""
+    first = seq_len - q_len + q_tile * BLOCK_Q
+    hi = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    return tl.maximum(first - window + 1, 0), hi
 
 
 @triton.jit
@@ -118,7 +133,7 @@ def _load_tile_queries(query, q_start, token, head, valid, stride_qt, stride_qh,
 @triton.jit
 def _paged_attention_kernel(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-        qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
+        qk_scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh, stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -132,10 +147,10 @@ def _paged_attention_kernel(
                                               Q_PER_KV)
     q = _load_tile_queries(query, q_start, token, head, valid, stride_qt, stride_qh, HEAD_DIM,
                            HEAD_PAD, DTYPE)
-    kv_hi = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)  # last row's position + 1
+    kv_lo, kv_hi = _tile_kv_range(q_tile, q_len, seq_len, window, BLOCK_Q)
     acc, row_sum, _ = _attend_range(
         q, position, key_cache, value_cache, block_tables + seq.to(tl.int64) * stride_bt, kv_head,
-        0, kv_hi, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+        kv_lo, kv_hi, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
         BLOCK_M, TILE_N, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, DTYPE, PRECISION)
     row_sum = tl.where(valid, row_sum, 1.0)
     dims = tl.arange(0, HEAD_PAD)
@@ -146,9 +161,11 @@ def _paged_attention_kernel(
 
 def launch_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                  max_query_len: int, scale: float, tile_n: int) -> tuple[tuple[int, int], dict]:
+                  max_query_len: int, scale: float, tile_n: int,
+                  window: int | None) -> tuple[tuple[int, int], dict]:
     """Checks the shapes and returns (grid, keyword arguments) shared by this kernel and the
     split-KV kernel."""
+    check_window(window)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     if value_cache.shape != key_cache.shape:
@@ -174,7 +191,8 @@ def launch_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     kwargs = dict(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
         seq_lens=seq_lens, query_start_loc=query_start_loc, num_seqs=seq_lens.shape[0],
-        qk_scale=scale * LOG2_E, stride_qt=query.stride(0), stride_qh=query.stride(1),
+        qk_scale=scale * LOG2_E, window=NO_WINDOW if window is None else min(window, NO_WINDOW),
+        stride_qt=query.stride(0), stride_qh=query.stride(1),
         stride_kb=key_cache.stride(0), stride_kt=key_cache.stride(1), stride_kh=key_cache.stride(2),
         stride_vb=value_cache.stride(0), stride_vt=value_cache.stride(1),
         stride_vh=value_cache.stride(2), stride_bt=block_tables.stride(0),
@@ -187,17 +205,19 @@ def launch_config(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None, tile_n: int = DEFAULT_TILE_N) -> torch.Tensor:
+                    out: torch.Tensor | None = None, tile_n: int = DEFAULT_TILE_N,
+                    window: int | None = None) -> torch.Tensor:
     """Attention of query [num_tokens, num_heads, head_dim] over the paged caches
     [num_blocks, block_size, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim].
 
     block_tables int32 [num_seqs, max_blocks], seq_lens int32 [num_seqs] (context after this
-    pass), query_start_loc int32 [num_seqs + 1]; see metadata.py for the layout."""
+    pass), query_start_loc int32 [num_seqs + 1]; see metadata.py for the layout. window: a
+    sliding window of that many positions, or None for full causal attention."""
     out = torch.empty_like(query) if out is None else out
     if query.shape[0] == 0:
         return out
     grid, kwargs = launch_config(query, key_cache, value_cache, block_tables, seq_lens,
-                                 query_start_loc, max_query_len, scale, tile_n)
+                                 query_start_loc, max_query_len, scale, tile_n, window)
     _paged_attention_kernel[grid](out=out, stride_ot=out.stride(0), stride_oh=out.stride(1),
                                   **kwargs)
     return out

@@ -5,7 +5,9 @@ Each query tile's context is cut into num_splits segments of whole TILE_N steps,
 each (grid axis 2). A program runs the same online-softmax walk as paged_attention.py over its
 segment and stores the unnormalised output with its row sum and max; a second kernel merges the
 segments of each (token, head) row: out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
-Segment 0 always holds position 0, which every row sees, so every row's overall max is finite.
+Segments cut the positions the tile sees ([its first row's window start, its last row's
+position]); every row sees its own position, which some segment holds, so every row's overall max
+is finite (segments a row sees nothing of carry max -inf and weigh 0).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import triton.language as tl
 
 from services.worker.attention.triton.common import next_pow2
 from services.worker.attention.triton.paged_attention import (
-    DEFAULT_TILE_N, _attend_range, _load_tile_queries, _locate_query_tile, _tile_rows, launch_config)
+    DEFAULT_TILE_N, _attend_range, _load_tile_queries, _locate_query_tile, _tile_kv_range, _tile_rows,
+    launch_config)
 
 MIN_SPLIT_TOKENS = 256  # a segment shorter than this costs more to merge than it saves
 MAX_SPLITS = 64
@@ -25,7 +28,7 @@ MAX_SPLITS = 64
 @triton.jit
 def _split_kv_kernel(
         partial_out, partial_sum, partial_max, query, key_cache, value_cache, block_tables,
-        seq_lens, query_start_loc, num_seqs, num_heads, num_splits, qk_scale, stride_qt, stride_qh,
+        seq_lens, query_start_loc, num_seqs, num_heads, num_splits, qk_scale, window, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -40,13 +43,13 @@ def _split_kv_kernel(
                                               Q_PER_KV)
     q = _load_tile_queries(query, q_start, token, head, valid, stride_qt, stride_qh, HEAD_DIM,
                            HEAD_PAD, DTYPE)
-    kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
-    tiles_per_split = (kv_end + TILE_N * num_splits - 1) // (TILE_N * num_splits)
-    kv_lo = split * tiles_per_split * TILE_N
+    kv_start, kv_end = _tile_kv_range(q_tile, q_len, seq_len, window, BLOCK_Q)
+    tiles_per_split = (kv_end - kv_start + TILE_N * num_splits - 1) // (TILE_N * num_splits)
+    kv_lo = kv_start + split * tiles_per_split * TILE_N
     kv_hi = tl.minimum(kv_lo + tiles_per_split * TILE_N, kv_end)
     acc, row_sum, row_max = _attend_range(
         q, position, key_cache, value_cache, block_tables + seq.to(tl.int64) * stride_bt, kv_head,
-        kv_lo, kv_hi, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+        kv_lo, kv_hi, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
         BLOCK_M, TILE_N, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, DTYPE, PRECISION)
     # Partials are [num_tokens, num_heads, num_splits(, HEAD_PAD)], contiguous.
     row = ((q_start + token).to(tl.int64) * num_heads + head) * num_splits + split
@@ -90,9 +93,9 @@ def split_kv_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                        num_splits: int, out: torch.Tensor | None = None,
-                       tile_n: int = DEFAULT_TILE_N) -> torch.Tensor:
-    """paged_attention (same arguments and result) with each context cut into num_splits
-    segments computed in parallel and merged."""
+                       tile_n: int = DEFAULT_TILE_N, window: int | None = None) -> torch.Tensor:
+    """paged_attention (same arguments and result) with each context (within its window) cut
+    into num_splits segments computed in parallel and merged."""
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(query) if out is None else out
@@ -100,7 +103,7 @@ def split_kv_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     if num_tokens == 0:
         return out
     grid, kwargs = launch_config(query, key_cache, value_cache, block_tables, seq_lens,
-                                 query_start_loc, max_query_len, scale, tile_n)
+                                 query_start_loc, max_query_len, scale, tile_n, window)
     head_pad = kwargs["HEAD_PAD"]
     partial_out = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32,
                               device=query.device)
