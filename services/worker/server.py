@@ -12,6 +12,7 @@ import grpc
 from llmserve.v1 import worker_pb2 as pb
 from llmserve.v1 import worker_pb2_grpc
 from services.worker.engine.async_engine import AsyncEngine, EngineDead
+from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.output_processor import RequestOutput
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.metrics import WorkerMetrics
@@ -106,7 +107,8 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
         try:
             ids = await self._prompt_ids(request, fit_context=True)
             params = sampling_from_proto(request.sampling)
-            stream = self.engine.generate(ids, params, request.request_id, request.cache_salt)
+            share = FairShare.of(request.tenant, request.tenant_weight, request.priority)
+            stream = self.engine.generate(ids, params, request.request_id, request.cache_salt, share)
             first = await anext(stream)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -178,11 +180,15 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_context_length=self.model.max_context_length)
 
     async def GetLoad(self, request, context):
-        s = self.engine.stats
+        s, limits = self.engine.stats, self.engine.engine.limits
         return pb.LoadReport(model=self.model.name, running=s.running, waiting=s.waiting,
                              kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
                              prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
-                             draining=self.draining, num_preemptions=s.num_preemptions)
+                             draining=self.draining, num_preemptions=s.num_preemptions,
+                             waiting_prompt_tokens=s.load.waiting_prompt_tokens, step_time_s=s.load.step_time_s,
+                             decode_tokens_per_s=s.load.decode_tokens_per_s,
+                             prefill_tokens_per_s=s.load.prefill_tokens_per_s, max_num_seqs=limits.max_num_seqs,
+                             max_num_batched_tokens=limits.max_num_batched_tokens, block_size=limits.block_size)
 
     async def _check_model(self, name: str, context: grpc.aio.ServicerContext) -> None:
         if name and name != self.model.name:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.llm_engine import EngineStats, LLMEngine
 from services.worker.engine.output_processor import RequestOutput
 from services.worker.engine.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str
+    share: FairShare
 
 
 @dataclass
@@ -64,7 +66,7 @@ class AsyncEngine:
         return self._stats
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
-                       cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+                       cache_salt: str = "", share: FairShare = FairShare()) -> AsyncIterator[RequestOutput]:
         """Yields outputs of all n choices until every choice has finished.
 
         Raises ValueError for a bad request before anything is queued. Leaving the iteration
@@ -78,7 +80,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, share))
         remaining = params.n
         try:
             while remaining:
@@ -120,7 +122,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.cache_salt)
+                                            command.cache_salt, command.share)
                 except ValueError as e:
                     self._send(command.request_id, e)
             elif isinstance(command, _Abort):

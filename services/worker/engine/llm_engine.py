@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.kv_cache_manager import KVCacheManager
+from services.worker.engine.load_stats import LoadSnapshot, LoadStats
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.output_processor import RequestOutput, RequestOutputState
 from services.worker.engine.request import Request, RequestStatus
@@ -47,6 +49,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)   # what admission needs (load_stats.py)
 
 
 class LLMEngine:
@@ -64,6 +67,7 @@ class LLMEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self._requests: dict[str, list[Request]] = {}     # caller id -> its n siblings
         self._states: dict[str, RequestOutputState] = {}  # sibling id -> output state
+        self.load_stats = LoadStats()
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -84,7 +88,7 @@ class LLMEngine:
         return params.max_tokens or room
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str = "") -> None:
+                    cache_salt: str = "", share: FairShare = FairShare()) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
@@ -92,7 +96,7 @@ class LLMEngine:
         for i in range(params.n):
             r = Request(f"{request_id}#{i}" if params.n > 1 else request_id, list(prompt_token_ids), params,
                         max_tokens, self.tokenizer.eos_token_ids, cache_salt=cache_salt, index=i,
-                        parent_id=request_id)
+                        parent_id=request_id, share=share)
             siblings.append(r)
             self._states[r.request_id] = RequestOutputState(r, self.tokenizer)
             self.scheduler.add(r)
@@ -117,8 +121,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        started = time.monotonic()
         results = self.runner.execute(plan.scheduled)
         now = time.monotonic()
+        self.load_stats.record(plan.scheduled, now - started)
         outputs = []
         for item in plan.scheduled:
             r = item.request
@@ -182,4 +188,4 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.pool.num_used_blocks, kv_blocks_total=self.pool.num_usable_blocks,
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions, load=self.load_stats.snapshot(self.scheduler))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.spec.adaptive import AdaptiveDraftLength
 
@@ -42,6 +43,7 @@ class Request:
     index: int = 0                          # choice index among the n siblings
     parent_id: str = ""                     # the caller's request id (siblings share it)
     arrival_time: float = field(default_factory=time.monotonic)
+    share: FairShare = field(default_factory=FairShare)   # tenant, weight, priority in the waiting queue
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

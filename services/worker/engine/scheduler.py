@@ -3,8 +3,9 @@
 Every step re-forms the batch. Running requests are served first, in admission order: each
 is granted the tokens it still lacks (1 for a decode, 1 + k while verifying k speculative
 tokens, the rest of its prompt, chunked, while prefilling). Waiting requests are admitted
-after them, first come first served, while the budget, the free blocks and the running cap
-allow; the head of the queue is never skipped, so nobody starves. When a running request
+after them while the budget, the free blocks and the running cap allow, tenants in weighted
+fair order by tokens served (fair_queue.py; one tenant: first come first served); the head of
+the queue is never skipped, so nobody starves. When a running request
 cannot get a block, the most recently admitted request is preempted: its blocks are freed
 and it goes back to the head of the queue, to be recomputed (its finished prefix blocks stay
 findable in the prefix cache, so recompute is often cheap).
@@ -12,9 +13,9 @@ findable in the prefix cache, so recompute is often cheap).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+from services.worker.engine.fair_queue import FairQueue
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.request import Request, RequestStatus
 
@@ -59,12 +60,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,14 +92,15 @@ class Scheduler:
                 continue
             break
         if out.preempted:
+            self.waiting.charge(out.scheduled)
             return out   # the pool is full: admitting now would only preempt again
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             cached, num_cached = self.kv.find_cached_prefix(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -106,6 +108,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, 0, self.kv.block_ids(request.request_id)))
             budget -= num_new
+        self.waiting.charge(out.scheduled)
         return out
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -115,6 +118,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.waiting.finished(request)
         self.kv.free(request)
 
     def _preempt(self, request: Request) -> None:
@@ -126,4 +130,4 @@ class Scheduler:
         request.draft_lag = 0          # a draft model recomputes from scratch too
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)

@@ -1,0 +1,181 @@
+"""The waiting queue's weighted fair order across tenants and priority within one, in the scheduler
+(no model) and in a real worker process over gRPC; the load report's admission fields."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from llmserve.v1 import worker_pb2 as pb
+from llmserve.v1 import worker_pb2_grpc
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.fair_queue import FairShare
+from services.worker.engine.kv_cache_manager import KVCacheManager
+from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from tests.procs import worker
+
+MODEL = "smollm2-135m-instruct"
+
+
+def request(rid: str, tenant: str = "", weight: float = 1.0, priority: int = 0, prompt: int = 4,
+            max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(1, prompt + 1)), SamplingParams(temperature=0), max_tokens, [2],
+                   share=FairShare(tenant, weight, priority))
+
+
+def scheduler(max_seqs: int = 1, budget: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_seqs, budget), KVCacheManager(BlockPool(256), 4, False))
+
+
+def serve(sched: Scheduler, steps: int) -> list[Request]:
+    """Pretends the model ran for `steps` steps; returns the requests in the order they finished."""
+    done = []
+    for _ in range(steps):
+        for item in sched.schedule().scheduled:
+            r = item.request
+            r.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                r.append_output(100)
+                if r.num_output_tokens >= r.max_tokens:
+                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+                    done.append(r)
+    return done
+
+
+def test_one_tenant_is_first_come_first_served_with_priority_first():
+    sched = scheduler()
+    for rid, priority in (("a", 0), ("b", 1), ("c", 0), ("d", -1)):
+        sched.add(request(rid, priority=priority))
+    assert [r.request_id for r in sched.waiting] == ["d", "a", "c", "b"]
+    assert [r.request_id for r in serve(sched, 40)] == ["d", "a", "c", "b"]
+
+
+def test_a_second_tenant_is_not_stuck_behind_a_flood():
+    sched = scheduler()
+    for i in range(6):
+        sched.add(request(f"flood{i}", "A"))
+    serve(sched, 3)                       # A's first is running and charged
+    sched.add(request("short", "B"))
+    order = [r.request_id for r in serve(sched, 60)]
+    assert order.index("short") == 1, order   # right after the request that was running
+
+
+def test_equal_weights_alternate_and_two_to_one_weights_get_two_to_one():
+    for weights, expected in (((1, 1), 1.0), ((2, 1), 2.0)):
+        sched = scheduler()
+        for i in range(30):
+            sched.add(request(f"A{i}", "A", weights[0]))
+            sched.add(request(f"B{i}", "B", weights[1]))
+        done = serve(sched, 24 * 5)
+        a = sum(r.share.tenant == "A" for r in done)
+        b = sum(r.share.tenant == "B" for r in done)
+        assert a + b >= 20 and abs(a / b - expected) <= 0.1 * expected + 1 / b, (weights, a, b)
+
+
+def test_a_returning_tenant_banks_no_idle_time():
+    sched = scheduler()
+    sched.add(request("b0", "B"))
+    serve(sched, 10)                      # B served and gone: forgotten
+    assert sched.waiting.counter("B") is None
+    for i in range(4):
+        sched.add(request(f"A{i}", "A"))
+    serve(sched, 12)                      # A builds up a counter
+    sched.add(request("b1", "B"))
+    assert sched.waiting.counter("B") == sched.waiting.counter("A")   # lifted, not 0
+    for i in range(3):
+        sched.add(request(f"b{2 + i}", "B"))
+    order = [r.share.tenant for r in serve(sched, 80)]
+    assert order[:4].count("A") >= 1      # B does not take the next four in a row
+
+
+def test_preempted_request_goes_first_and_aborts_leave_no_trace():
+    sched = scheduler(max_seqs=2)
+    sched.add(request("a", "A"))
+    serve(sched, 1)
+    sched.add(request("b", "B"))
+    sched.add(request("c", "B"))
+    victim = sched.running[0]
+    sched.running.remove(victim)
+    sched._preempt(victim)
+    assert sched.waiting.peek() is victim
+    sched.finish(sched.waiting[-1], RequestStatus.FINISHED_ABORTED)   # c, waiting
+    assert len(sched.waiting) == 2 and all(r.request_id != "c" for r in sched.waiting)
+    done = serve(sched, 40)
+    assert sorted(r.request_id for r in done) == ["a", "b"]
+    assert len(sched.waiting) == 0 and sched.waiting.counter("A") is None and sched.waiting.counter("B") is None
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("weight", [-1.0, float("nan"), float("inf"), 1e6])
+def test_bad_weights_are_refused(weight):
+    with pytest.raises(ValueError, match="tenant_weight"):
+        FairShare.of("A", weight, 0)
+    assert FairShare.of("A", 0.0, 3) == FairShare("A", 1.0, 3)
+
+
+# -- a real worker ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    with worker(tmp_path_factory.mktemp("fair"), engine__max_num_seqs="1") as w, \
+            grpc.insecure_channel(w.address) as channel:
+        yield worker_pb2_grpc.GenerationStub(channel)
+
+
+def generate(tenant: str, max_tokens: int, weight: float = 0.0) -> pb.GenerateRequest:
+    return pb.GenerateRequest(model=MODEL, chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Count.")]),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                              tenant=tenant, tenant_weight=weight)
+
+
+def test_worker_serves_a_second_tenant_before_the_first_ones_backlog(stub):
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def run(name: str, req: pb.GenerateRequest) -> None:
+        for _ in stub.Generate(req, timeout=120):
+            pass
+        with lock:
+            finished.append(name)
+
+    threads = []
+    for i in range(4):
+        threads.append(threading.Thread(target=run, args=(f"A{i}", generate("A", 24))))
+        threads[-1].start()
+        time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while stub.GetLoad(pb.GetLoadRequest()).waiting < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads.append(threading.Thread(target=run, args=("B", generate("B", 24))))
+    threads[-1].start()
+    for t in threads:
+        t.join(120)
+    assert len(finished) == 5 and finished.index("B") == 1, finished
+
+
+def test_load_report_carries_what_admission_needs(stub):
+    for _ in stub.Generate(generate("A", 16), timeout=60):
+        pass
+    load = stub.GetLoad(pb.GetLoadRequest())
+    assert (load.max_num_seqs, load.max_num_batched_tokens, load.block_size) == (1, 512, 16)
+    assert 0 < load.step_time_s < 5
+    assert 0 < load.decode_tokens_per_s < 10_000 and 0 < load.prefill_tokens_per_s
+    assert load.waiting_prompt_tokens == 0
+    calls = [stub.Generate(generate("A", 64)) for _ in range(3)]
+    deadline = time.monotonic() + 30
+    while (load := stub.GetLoad(pb.GetLoadRequest())).waiting < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert load.waiting == 2 and load.waiting_prompt_tokens >= 2 * 10   # two chat prompts queued
+    for call in calls:
+        call.cancel()
+
+
+def test_worker_refuses_a_bad_tenant_weight(stub):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(generate("A", 4, weight=-2.0), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant_weight" in e.value.details()
