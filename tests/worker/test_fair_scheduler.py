@@ -170,7 +170,7 @@ def test_load_report_carries_what_admission_needs(stub):
     deadline = time.monotonic() + 30
     while (load := stub.GetLoad(pb.GetLoadRequest())).waiting < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert load.waiting == 2 and load.waiting_prompt_tokens >= 2 * 10   # two chat prompts queued
+    assert load.waiting >= 2 and load.waiting_prompt_tokens >= 10 * load.waiting   # chat prompts queued
     for call in calls:
         call.cancel()
 
