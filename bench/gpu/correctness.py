@@ -1,5 +1,6 @@
 """Every Triton kernel against its PyTorch reference on this machine's GPU, at the shapes the
-engine runs (Llama-3-8B and SmolLM2 attention, each dtype), before any timing is trusted.
+engine runs (Llama-3-8B and SmolLM2 attention, each dtype, with and without a sliding window;
+Qwen3-30B-A3B and Mixtral experts), before any timing is trusted.
 
 The CPU test suite runs the same kernels under the Triton interpreter, which cannot catch what
 only a GPU build gets wrong (layouts, tl.dot lowering, bf16 tensor-core math); this can.
@@ -8,6 +9,7 @@ Exits 1 if any check fails.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +26,16 @@ MIXED = [(37, 1), (0, 17), (20, 13), (50, 1), (40, 4), (1000, 1), (300, 200)]
 LONG_DECODE = [(5000, 1), (77, 1), (0, 1)]
 SMOKE_MIXED = [(37, 1), (0, 17), (20, 13), (40, 4)]
 SMOKE_LONG_DECODE = [(600, 1), (9, 1)]
+# Sliding windows checked: one shorter than the mixed batch's longer contexts and the long decode.
+WINDOWS = (64, 1024)
+SMOKE_WINDOWS = (16, 520)   # 520 of the 601-token decode still splits in two
+# MoE layers (name, tokens, hidden, intermediate, experts, top_k, renormalize): Qwen3-30B-A3B and
+# Mixtral-8x7B's experts, at a decode-sized and a prefill-sized step.
+MOE_SHAPES = [("qwen3-30b-a3b", 5, 2048, 768, 128, 8, True), ("qwen3-30b-a3b", 300, 2048, 768, 128, 8, False),
+              ("mixtral-8x7b", 37, 4096, 14336, 8, 2, True)]
+SMOKE_MOE_SHAPES = [("tiny-moe", 7, 64, 32, 8, 2, True)]
+# The MoE path rounds its intermediate and each expert's output to the storage dtype.
+MOE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 # Elementwise kernels round once from fp32, like their references; bf16 allows two units in the
 # last place, since the interpreter (--smoke) truncates where a GPU rounds to nearest.
 ONE_ROUNDING = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
@@ -39,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # On the CPU, pretend to have 8 multiprocessors so that the split-KV path runs too.
     backend = TritonPagedAttention(num_sms=None if device.type == "cuda" else 8)
     mixed, long_decode = (SMOKE_MIXED, SMOKE_LONG_DECODE) if args.smoke else (MIXED, LONG_DECODE)
+    windows = SMOKE_WINDOWS if args.smoke else WINDOWS
     rows = []
 
     def record(check: str, shape: str, dtype: torch.dtype, got: torch.Tensor,
@@ -53,21 +66,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, heads, kv_heads, head_dim, block_size, dtype in SMOKE_SHAPES if args.smoke else SHAPES:
         scale = head_dim ** -0.5
         tol = TOLERANCE[dtype]["atol"]
-        for label, seqs in (("mixed batch", mixed), ("long decode", long_decode)):
+        for (label, seqs), window in itertools.product((("mixed batch", mixed), ("long decode", long_decode)),
+                                                       (None,) + windows):
             batch = make_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                                block_size=block_size, dtype=dtype, shared_blocks=1).to(device)
             meta = batch.meta
-            expected = reference_attention(batch, scale)
-            splits = backend.num_splits(meta, kv_heads, device)
+            label_w = label if window is None else f"{label}, window {window}"
+            expected = reference_attention(batch, scale, window)
+            splits = backend.num_splits(meta, kv_heads, device, window)
             path = f"split-KV x{splits}" if splits > 1 else "unified"
-            got = backend.attend(batch.query, batch.key_cache, batch.value_cache, meta, scale)
-            record(f"attention, {label}, backend ({path})", name, dtype, got, expected, tol)
+            got = backend.attend(batch.query, batch.key_cache, batch.value_cache, meta, scale, window)
+            record(f"attention, {label_w}, backend ({path})", name, dtype, got, expected, tol)
             if splits > 1:
                 got = paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                       meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                      meta.max_query_len, scale)
-                record(f"attention, {label}, unified", name, dtype, got, expected, tol)
+                                      meta.max_query_len, scale, window=window)
+                record(f"attention, {label_w}, unified", name, dtype, got, expected, tol)
         check_elementwise(name, heads, kv_heads, head_dim, dtype, device, record)
+    check_moe(SMOKE_MOE_SHAPES if args.smoke else MOE_SHAPES, device, record)
     harness.check_imports()   # the kernels alone; the engine below reads SmolLM2's vocabulary where installed
     check_decode_graphs(device, rows)
 
@@ -115,6 +131,26 @@ def check_elementwise(name, heads, kv_heads, head_dim, dtype, device, record) ->
            apply_rotary_reference(qk, positions, cos, sin), tol)
     gate_up = rand(tokens, 2 * 4 * hidden)
     record("silu_and_mul", name, dtype, silu_and_mul(gate_up), silu_and_mul_reference(gate_up), tol)
+
+
+def check_moe(shapes, device, record) -> None:
+    """The Triton fused MoE against the PyTorch path on the same inputs upcast to float32."""
+    from services.worker.moe.torch_moe import TorchFusedMoE
+    from services.worker.moe.triton_moe import TritonFusedMoE
+
+    gen = torch.Generator().manual_seed(0)
+    for name, tokens, hidden, intermediate, experts, top_k, renormalize in shapes:
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(tokens, hidden, generator=gen)
+            logits = torch.randn(tokens, experts, generator=gen)
+            w_gate_up = torch.randn(experts, 2 * intermediate, hidden, generator=gen) * hidden ** -0.5
+            w_down = torch.randn(experts, hidden, intermediate, generator=gen) * intermediate ** -0.5
+            stored = [t.to(dtype).to(device) for t in (x, logits, w_gate_up, w_down)]
+            got = TritonFusedMoE()(*stored, top_k, renormalize)
+            expected = TorchFusedMoE()(*(t.float() for t in stored), top_k, renormalize)
+            record(f"fused MoE, {tokens} tokens, top {top_k} of {experts}"
+                   f"{', renormalised' if renormalize else ''}", name, dtype, got, expected,
+                   MOE_TOLERANCE[dtype])
 
 
 def check_decode_graphs(device, rows) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU benchmarks, in order: every Triton kernel against its PyTorch reference on the GPU
 # (correctness.py), decode attention bandwidth against a memory copy (kernels.py), the fused
-# elementwise kernels against the model's PyTorch ops (fused.py), then the
+# elementwise kernels against the model's PyTorch ops (fused.py), the fused MoE against its
+# PyTorch path (moe.py), sliding-window against full attention (sliding_window.py), then the
 # engine benchmark (engine.py) when present. Each script takes the same arguments (--smoke: tiny
 # shapes, on the CPU through the Triton interpreter when there is no GPU), prints markdown and
 # writes it under $OUT when set. Needs python3 with torch and triton only.
@@ -11,7 +12,7 @@ export PYTHONPATH="$PWD:$PWD/libs${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python3}"
 
 status=0
-for script in correctness kernels fused engine; do
+for script in correctness kernels fused moe sliding_window engine; do
     [[ -f "bench/gpu/$script.py" ]] || continue
     echo "== bench/gpu/$script.py $*" >&2
     "$PYTHON" -m "bench.gpu.$script" "$@" || status=1

@@ -8,12 +8,18 @@ Speculative decoding: after each step the engine picks k for every decoding requ
 or the worker's default, shortened by the adaptive draft length). The n-gram proposer drafts
 then, from token ids; a draft model in the runner drafts inside the next step, into the slots
 the scheduler reserves for k tokens.
+
+Constrained decoding: each constrained request (each of its n choices) holds its own grammar
+matcher, from a grammar compiled once per constraint (structured/compiler.py). A step's masks
+are computed on a helper thread while its forward pass runs; the matcher advances only over the
+tokens the output processor accepts, and n-gram drafts are cut where the grammar refuses them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from services.worker.engine.block_pool import BlockPool
@@ -25,6 +31,8 @@ from services.worker.engine.output_processor import RequestOutput, RequestOutput
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from services.worker.engine.structured.compiler import GrammarCompiler
+from services.worker.engine.structured.step_masks import StepMasks
 from services.worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,6 +75,8 @@ class LLMEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self._requests: dict[str, list[Request]] = {}     # caller id -> its n siblings
         self._states: dict[str, RequestOutputState] = {}  # sibling id -> output state
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.load_stats = LoadStats()
 
     # -- admission ---------------------------------------------------------------------------
@@ -78,6 +88,8 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)   # cached: add_request finds it again
         room = self.limits.max_model_len - len(prompt_token_ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
@@ -97,6 +109,8 @@ class LLMEngine:
             r = Request(f"{request_id}#{i}" if params.n > 1 else request_id, list(prompt_token_ids), params,
                         max_tokens, self.tokenizer.eos_token_ids, cache_salt=cache_salt, index=i,
                         parent_id=request_id, share=share)
+            if params.constraint is not None:
+                r.matcher = self.grammars.matcher(params.constraint)
             siblings.append(r)
             self._states[r.request_id] = RequestOutputState(r, self.tokenizer)
             self.scheduler.add(r)
@@ -122,7 +136,12 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         started = time.monotonic()
-        results = self.runner.execute(plan.scheduled)
+        masks = StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
+        try:
+            results = self.runner.execute(plan.scheduled, masks)
+        except BaseException:
+            masks.wait()
+            raise
         now = time.monotonic()
         self.load_stats.record(plan.scheduled, now - started)
         outputs = []
@@ -180,6 +199,8 @@ class LLMEngine:
                 k = r.draft_length.next_k(k)
                 if k and not self.drafts_in_step:
                     r.spec_token_ids = self.proposer.propose(r.all_token_ids, k)
+                    if r.matcher is not None:   # a draft the grammar refuses would only be rejected
+                        r.spec_token_ids = r.spec_token_ids[:r.matcher.valid_prefix(r.spec_token_ids)]
                     k = len(r.spec_token_ids)   # the n-gram finds at most k
                 r.num_spec_tokens = k
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.spec.adaptive import AdaptiveDraftLength
+
+if TYPE_CHECKING:
+    from services.worker.engine.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +68,8 @@ class Request:
     spec_proposed: int = 0
     spec_accepted: int = 0
     draft_length: AdaptiveDraftLength = field(default_factory=AdaptiveDraftLength)
+    # A constrained request's grammar state: it has consumed exactly output_token_ids.
+    matcher: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
