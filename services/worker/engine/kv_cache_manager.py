@@ -5,12 +5,19 @@ shared only by requests whose whole prefix up to and including it is identical. 
 registered in the cache as soon as the step that fills it is scheduled: a request admitted in
 the same step can already share it, because every layer writes the step's keys and values
 before it attends.
+
+With a sliding window shared by every layer (sliding_window=W), a block that lies wholly before
+the window of the first token a step schedules for a request is never read again (a step's
+tokens only move forward, speculative rejections included): it goes back to the pool at once and
+its place in the block table holds the null block, which the attention kernels never read.
+Models with any global layer pass None: all their blocks stay live.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.attention.metadata import first_visible_position
 from services.worker.engine.block_pool import BlockPool, KVBlock
 from services.worker.engine.request import Request
 
@@ -22,10 +29,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self._null = pool.blocks[0]   # stands in for blocks released out of the window
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[int]] = {}
@@ -78,12 +88,23 @@ class KVCacheManager:
         blocks.extend(self.pool.allocate(n))
         if self.enable_prefix_caching:
             self._register_full_blocks(request, min(end, num_tokens_to_cache if num_tokens_to_cache is not None else end))
+        if self.sliding_window is not None:
+            self._release_out_of_window(blocks, end - num_new_tokens)
         return True
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        self.pool.free(b for b in reversed(blocks) if b is not self._null)
+
+    def _release_out_of_window(self, blocks: list[KVBlock], first_new_position: int) -> None:
+        """Frees the blocks wholly before the window of the step's first new token."""
+        dead = first_visible_position(first_new_position, self.sliding_window) // self.block_size
+        for i in range(min(dead, len(blocks)) - 1, -1, -1):
+            if blocks[i] is self._null:
+                break    # released by an earlier step, like every block before it
+            self.pool.free([blocks[i]])
+            blocks[i] = self._null
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         blocks = self._blocks[request.request_id]
@@ -91,7 +112,7 @@ class KVCacheManager:
         hashes = self._hash_blocks(request, num_full)
         tokens = request.all_token_ids
         for i in range(num_full):
-            if blocks[i].block_hash is None:
+            if blocks[i].block_hash is None and blocks[i] is not self._null:
                 self.pool.register(blocks[i], hashes[i], self._block_tokens(tokens, i))
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> list[int]:
