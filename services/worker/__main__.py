@@ -35,7 +35,8 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.max_send
 async def serve(cfg: WorkerConfig) -> None:
     built = build_engine(cfg.model, cfg.engine)
     engine = built.engine
-    model = ServedModel(cfg.model.name, engine.limits.max_model_len, cfg.model.dtype, built.loaded.config.vocab_size)
+    model = ServedModel(cfg.model.name, engine.limits.max_model_len, cfg.model.dtype, built.loaded.config.vocab_size,
+                        tool_call_format=built.loaded.tokenizer.tool_call_format)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     metrics = WorkerMetrics(model.name, lambda: async_engine.stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ from llmserve.v1 import worker_pb2_grpc
 from services.worker.engine.async_engine import AsyncEngine, EngineDead
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.output_processor import RequestOutput
-from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.sampling_params import Constraint, SamplingParams
 from services.worker.metrics import WorkerMetrics
+from services.worker.model.chat_template import parse_tools
 from services.worker.model.tokenizer import Tokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -30,10 +32,34 @@ class ServedModel:
     max_context_length: int
     dtype: str
     vocab_size: int
+    tool_call_format: str = "hermes"
 
 
 class BadRequest(ValueError):
     pass
+
+
+def constraint_from_proto(c: pb.Constraint) -> Constraint | None:
+    """The request's constraint (None when unset); its grammar is checked when the engine compiles it."""
+    kind = c.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not c.json_object):
+        return None
+    if kind == "choice":
+        if not c.choice.choices:
+            raise BadRequest("constraint.choice needs at least one choice")
+        return Constraint("choice", json.dumps(list(c.choice.choices)))
+    if kind == "json_object":
+        return Constraint("json_object")
+    value = getattr(c, kind)
+    if not value:
+        raise BadRequest(f"constraint.{kind} is empty")
+    return Constraint(kind, value, strict=c.strict)
+
+
+def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+    params = sampling_from_proto(request.sampling)
+    params.constraint = constraint_from_proto(request.constraint)
+    return params
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
@@ -47,7 +73,8 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         max_tokens=s.max_tokens or None, min_tokens=s.min_tokens,
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
         logprobs=s.logprobs, top_logprobs=s.top_logprobs, n=s.n or 1,
-        num_speculative_tokens=s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None)
+        num_speculative_tokens=s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None,
+        logit_bias=dict(s.logit_bias))
 
 
 def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
@@ -61,9 +88,10 @@ def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
                 raise BadRequest(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
-        if sum(len(m.content) for m in messages) > MAX_PROMPT_CHARS:
+        if sum(len(m.content) for m in messages) + len(request.chat.tools_json) > MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
-        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+        tools = parse_tools(request.chat.tools_json)
+        text = tokenizer.apply_chat_template([chat_message(m) for m in messages], tools=tools)
         return tokenizer.encode(text)
     if kind == "text":
         if len(request.text) > MAX_PROMPT_CHARS:
@@ -72,6 +100,19 @@ def prompt_token_ids(tokenizer: Tokenizer, request) -> list[int]:
     if kind == "token_ids":
         return list(request.token_ids.ids)
     raise BadRequest("the request has no prompt (chat, text or token_ids)")
+
+
+def chat_message(m: pb.ChatMessage) -> dict:
+    """A chat message in the OpenAI shape the chat template takes."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
 
 
 class GenerationServicer(worker_pb2_grpc.GenerationServicer):
@@ -106,7 +147,10 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
         await self._check_model(request.model, context)
         try:
             ids = await self._prompt_ids(request, fit_context=True)
-            params = sampling_from_proto(request.sampling)
+            params = params_from_proto(request)
+            if params.constraint is not None:   # compiled off the event loop; the engine finds it cached
+                await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizer_pool, self.engine.engine.grammars.compile, params.constraint)
             share = FairShare.of(request.tenant, request.tenant_weight, request.priority)
             stream = self.engine.generate(ids, params, request.request_id, request.cache_salt, share)
             first = await anext(stream)
@@ -169,7 +213,7 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
         m = self.model
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=m.name, max_context_length=m.max_context_length, dtype=m.dtype, vocab_size=m.vocab_size,
-            owned_by="llmserve")])
+            owned_by="llmserve", tool_call_format=m.tool_call_format)])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         await self._check_model(request.model, context)

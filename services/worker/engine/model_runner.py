@@ -4,7 +4,8 @@ The runner owns the KV cache tensors and never sees the block pool: it gets bloc
 the scheduler's output. Each sequence contributes its new tokens to one flattened batch; the
 logits of its last token (or of its k+1 verification positions) are sampled. With a draft
 model (spec/draft_model.py) the drafts are made first, inside the same step; otherwise they
-are the n-gram proposer's, already on the request.
+are the n-gram proposer's, already on the request. A constrained request's rows are sampled
+under its grammar's masks (StepMasks): drafts outside the grammar are never accepted.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.worker.attention.metadata import AttentionMetadata, cache_slot, pa
 from services.worker.engine.decode_graphs import DecodeGraphs
 from services.worker.engine.sampler import Sampler, SamplingRow
 from services.worker.engine.scheduler import ScheduledRequest
+from services.worker.engine.structured.step_masks import StepMasks
 from services.worker.spec.rejection import rejection_sample, verify_greedy
 
 log = logging.getLogger(__name__)
@@ -105,12 +107,14 @@ class ModelRunner:
                 log.exception("capturing decode CUDA graphs failed; decode steps run eagerly")
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest]) -> dict[str, StepResult]:
+    def execute(self, batch: list[ScheduledRequest], masks: StepMasks | None = None) -> dict[str, StepResult]:
+        """masks: the grammar masks of the batch's constrained requests (none: unconstrained)."""
+        masks = masks or StepMasks()
         drafts = self._drafts(batch)
         if self._graph_step(batch):
             logits = self.decode_graphs.run([b.request.all_token_ids[b.start_position] for b in batch],
                                             [b.start_position for b in batch], [b.block_ids for b in batch])
-            return self._sample(batch, logits, drafts)
+            return self._sample(batch, logits, drafts, masks)
         spans = []
         for item in batch:
             r, start = item.request, item.start_position
@@ -124,7 +128,7 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        return self._sample([b for b in batch if b.samples], logits, drafts)
+        return self._sample([b for b in batch if b.samples], logits, drafts, masks)
 
     def _graph_step(self, batch: list[ScheduledRequest]) -> bool:
         """A step of plain decode rows only (one known token each, sampled, nothing to verify)."""
@@ -138,7 +142,7 @@ class ModelRunner:
                 for b in batch if b.num_spec_tokens}
 
     def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
-                drafts: dict[str, Draft]) -> dict[str, StepResult]:
+                drafts: dict[str, Draft], masks: StepMasks) -> dict[str, StepResult]:
         """Plain rows are sampled together; speculative rows are verified per request."""
         results: dict[str, StepResult] = {}
         plain, plain_rows, offset = [], [], 0
@@ -149,10 +153,10 @@ class ModelRunner:
                 plain_rows.append(offset)
             else:
                 results[item.request.request_id] = self._verify(
-                    item, logits[offset:offset + k + 1], drafts[item.request.request_id])
+                    item, logits[offset:offset + k + 1], drafts[item.request.request_id], masks)
             offset += k + 1
         if plain:
-            rows = [sampling_row(item.request) for item in plain]
+            rows = [sampling_row(item.request, bitmask=_first(_masks(item.request, [], masks))) for item in plain]
             out = self.sampler.sample(logits[plain_rows], rows)
             for j, item in enumerate(plain):
                 results[item.request.request_id] = StepResult(
@@ -161,10 +165,12 @@ class ModelRunner:
                     [out.top_logprobs[j]] if out.top_logprobs is not None else None)
         return results
 
-    def _verify(self, item: ScheduledRequest, logits: torch.Tensor, draft: Draft) -> StepResult:
+    def _verify(self, item: ScheduledRequest, logits: torch.Tensor, draft: Draft, masks: StepMasks) -> StepResult:
         r, tokens = item.request, draft.token_ids
-        # Position j of the k+1 rows follows the drafts before it: penalties must see them.
-        rows = [sampling_row(r, tokens[:j]) for j in range(len(tokens) + 1)]
+        # Position j of the k+1 rows follows the drafts before it: penalties and the grammar must see them.
+        bitmasks = _masks(r, tokens, masks)
+        rows = [sampling_row(r, tokens[:j], None if bitmasks is None else bitmasks[j])
+                for j in range(len(tokens) + 1)]
         if r.params.greedy:
             accepted = verify_greedy(tokens, self.sampler.sample(logits, rows).token_ids)
         else:
@@ -184,9 +190,19 @@ class ModelRunner:
         return result
 
 
-def sampling_row(request, extra_output: list[int] = ()) -> SamplingRow:
-    """The request's sampling row, as if extra_output (drafts before this position) were generated."""
+def _masks(request, drafts: list[int], masks: StepMasks) -> torch.Tensor | None:
+    return None if request.matcher is None else masks.get(request, drafts)
+
+
+def _first(bitmasks: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bitmasks is None else bitmasks[0]
+
+
+def sampling_row(request, extra_output: list[int] = (), bitmask: torch.Tensor | None = None) -> SamplingRow:
+    """The request's sampling row, as if extra_output (drafts before this position) were generated.
+    A grammar decides where constrained output ends: min_tokens does not hold its EOS back."""
     output = request.output_token_ids + list(extra_output) if extra_output else request.output_token_ids
+    free_eos = request.params.ignore_eos or request.matcher is not None
     return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
                        output_token_ids=output, generator=request.generator,
-                       eos_token_ids=() if request.params.ignore_eos else request.eos_token_ids)
+                       eos_token_ids=() if free_eos else request.eos_token_ids, token_bitmask=bitmask)

@@ -4,16 +4,21 @@ Per request it detokenizes incrementally and checks, token by token, EOS and sto
 (not before min_tokens), max_tokens, and stop strings. A stop string is matched in the text,
 across token boundaries, so text that could still become one is held back (at most the
 longest stop string minus one character) and a matched stop string is never emitted.
+A constrained request's matcher consumes each accepted token; the request stops as soon as its
+grammar is complete (nothing but EOS could follow).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from services.worker.engine.model_runner import StepResult
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.model.detokenizer import IncrementalDetokenizer
 from services.worker.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,7 +62,9 @@ class RequestOutputState:
         for token in result.token_ids:
             r.append_output(token)
             new_tokens.append(token)
-            status = self._check_token_stop(token)
+            # Both run: the matcher consumes every token, and a complete grammar is a stop even at max_tokens.
+            grammar, stop = self._check_grammar(token), self._check_token_stop(token)
+            status = grammar or stop
             if status is not None:
                 r.status = status
                 break
@@ -79,6 +86,16 @@ class RequestOutputState:
     def abort(self) -> RequestOutput:
         self.request.status = RequestStatus.FINISHED_ABORTED
         return self._output([], "", None)
+
+    def _check_grammar(self, token: int) -> RequestStatus | None:
+        matcher = self.request.matcher
+        if matcher is None:
+            return None
+        if not matcher.accept(token):   # the masks make this impossible: a bug, not the caller's
+            log.error("request %s: sampled token %d outside its grammar: %s", self.request.request_id,
+                      token, matcher.error)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if matcher.is_finished else None
 
     def _check_token_stop(self, token: int) -> RequestStatus | None:
         r, p = self.request, self.request.params

@@ -1,6 +1,7 @@
 """Turns a batch of logits into next tokens, one row per request.
 
-The pipeline, as in vLLM: penalties and min_tokens on the raw logits; greedy rows take the argmax
+The pipeline, as in vLLM: penalties, min_tokens, logit_bias and a constrained row's grammar mask
+(last, so nothing can lift a forbidden token back) on the raw logits; greedy rows take the argmax
 there; random rows go on through temperature, min_p, top_k and top_p, then draw from the softmax.
 A draw is an exponential race, argmax(p / q) with q ~ Exp(1): a sample from p that consumes
 exactly V uniform numbers from one generator, so a seeded row gets the same tokens whatever else is in
@@ -16,6 +17,7 @@ import torch
 
 from services.worker.engine.penalties import apply_penalties, has_penalties, suppress_stop_tokens
 from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.structured.bitmask import apply_bitmask
 
 
 @dataclass
@@ -26,6 +28,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]      # generated so far: penalties and min_tokens
     generator: torch.Generator | None    # per request when seeded, on the logits' device; else None
     eos_token_ids: Sequence[int] = ()    # suppressed with stop_token_ids while output < min_tokens
+    token_bitmask: torch.Tensor | None = None   # int32 [words]: the tokens a grammar allows here
 
 
 @dataclass
@@ -69,7 +72,7 @@ class Sampler:
         return greedy_tokens, random, truncated_probs(subset, [rows[i].params for i in random])
 
     def _adjust(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """A float32 copy of logits with penalties and min_tokens applied."""
+        """A float32 copy of logits with penalties, min_tokens, logit_bias and grammar masks applied."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
         if not logits.is_floating_point():
@@ -81,6 +84,10 @@ class Sampler:
             apply_penalties(subset, [rows[i] for i in penalised])
             adjusted[penalised] = subset
         suppress_stop_tokens(adjusted, rows)
+        _add_logit_bias(adjusted, rows)
+        masked = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+        if masked:
+            apply_bitmask(adjusted, masked, torch.stack([rows[i].token_bitmask for i in masked]))
         return adjusted
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -96,6 +103,20 @@ class Sampler:
             if g is not None:
                 uniform[i].uniform_(generator=g)
         return _race_winner(probs, uniform)
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits (ids checked at admission)."""
+    row_index, token_index, bias = [], [], []
+    for i, row in enumerate(rows):
+        for token, value in row.params.logit_bias.items():
+            row_index.append(i)
+            token_index.append(token)
+            bias.append(value)
+    if row_index:
+        device = logits.device
+        logits.index_put_((torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
+                          torch.tensor(bias, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

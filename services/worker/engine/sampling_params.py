@@ -2,7 +2,8 @@
 
 Values follow the OpenAI API and vLLM: temperature 0 is greedy; top_k 0 and min_p 0 are off;
 penalties 0 (and repetition_penalty 1) are off. `validate` raises ValueError with a message
-meant for the caller (the gRPC layer turns it into INVALID_ARGUMENT).
+meant for the caller (the gRPC layer turns it into INVALID_ARGUMENT). A constraint's grammar is
+checked by the engine, which compiles it (engine/structured/compiler.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,20 @@ from dataclasses import dataclass, field
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_N = 16
+MAX_LOGIT_BIAS = 100.0
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match; hashable, so compiled grammars are cached by it.
+
+    value: the JSON schema text (json_schema), the regex, the Lark grammar, or the choices as a
+    JSON list (choice); empty for json_object. strict (json_schema): refuse a schema keyword the
+    grammar engine cannot enforce instead of ignoring it."""
+    kind: str
+    value: str = ""
+    strict: bool = False
 
 
 @dataclass
@@ -33,6 +48,8 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     num_speculative_tokens: int | None = None  # None: the worker's default
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -73,3 +90,10 @@ class SamplingParams:
             bad(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
             bad(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        for token, bias in self.logit_bias.items():
+            if not 0 <= token < vocab_size:
+                bad(f"logit_bias: token id {token} is not in the vocabulary [0, {vocab_size})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                bad(f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        if self.constraint is not None and self.constraint.kind not in CONSTRAINT_KINDS:
+            bad(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.constraint.kind!r}")

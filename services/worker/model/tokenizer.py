@@ -47,10 +47,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self._chat_template is None:
             raise ValueError("this model has no chat template")
-        return self._chat_template.render(messages, add_generation_prompt)
+        return self._chat_template.render(messages, add_generation_prompt, tools)
+
+    @property
+    def tool_call_format(self) -> str:
+        """How the model writes tool calls: hermes | llama3_json | mistral (chat_template.py)."""
+        return self._chat_template.tool_call_format if self._chat_template else "hermes"
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (b'' for an id outside the vocabulary)."""

@@ -13,7 +13,7 @@ Each step, after scheduling (which reserved slots for the k drafts) and before t
 2. k-1 single-token passes over the speculating requests, each writing the previous draft into
    its reserved slot. Rejected drafts' slots are void for both models, like the target's.
 Drafts are drawn from q, the draft model's distribution after the request's own sampling
-settings (greedy: its argmax); q goes to the rejection sampler, which keeps sampling exact.
+settings and grammar mask (greedy: its argmax); q goes to the rejection sampler, which keeps sampling exact.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class DraftModelProposer:
     def _draw(self, items: list[ScheduledRequest], logits: torch.Tensor, tokens: dict[str, list[int]],
               probs: dict[str, list[torch.Tensor]]) -> None:
         """One more draft per item, drawn from q; q itself is kept for sampled requests."""
-        q = self.sampler.probs(logits, [sampling_row(item.request, tokens[item.request.request_id])
+        q = self.sampler.probs(logits, [sampling_row(item.request, tokens[item.request.request_id],
+                                                     _grammar_mask(item.request, tokens[item.request.request_id]))
                                         for item in items])
         argmax = q.argmax(-1).tolist()   # a greedy row of q is one-hot at the processed argmax
         for i, item in enumerate(items):
@@ -79,3 +80,8 @@ class DraftModelProposer:
             else:
                 tokens[rid].append(int(exponential_race(q[i], r.generator or self.sampler.generator)))
                 probs[rid].append(q[i])
+
+
+def _grammar_mask(request, drafted: list[int]) -> torch.Tensor | None:
+    """A constrained request drafts inside its grammar too, or its drafts would mostly be rejected."""
+    return None if request.matcher is None else request.matcher.mask_after(drafted)
