@@ -26,7 +26,7 @@ def make_layer(tokens, hidden, intermediate, experts, dtype=torch.float32, seed=
     return [t.to(dtype) for t in (x, logits, w_gate_up, w_down)]
 
 
-def dense_moe(x, logits, w_gate_up, w_down, top_k, renormalize):
+def dense_moe(x, logits, w_gate_up, w_down, top_k, renormalize, activation="silu"):
     """Token by token, in float64: softmax, top-k, optional renormalisation, weighted sum of
     down(silu(gate x) * up x) over the chosen experts."""
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -38,7 +38,9 @@ def dense_moe(x, logits, w_gate_up, w_down, top_k, renormalize):
             weights = weights / weights.sum()
         for w, e in zip(weights, experts):
             gate_up = w_gate_up[e].double() @ x[t].double()
-            h = F.silu(gate_up[:intermediate]) * gate_up[intermediate:]
+            gate = gate_up[:intermediate]
+            act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+            h = act * gate_up[intermediate:]
             out[t] += w * (w_down[e].double() @ h)
     return out
 
@@ -112,6 +114,16 @@ def test_triton_path_matches_torch_path(case, dtype):
     torch.testing.assert_close(out.float(), expected, **tol)
 
 
+@pytest.mark.parametrize("backend", [TorchFusedMoE(), TritonFusedMoE(block_n=16)], ids=lambda b: b.name)
+def test_gelu_tanh_experts_match_dense_reference(backend):
+    x, logits, w_gate_up, w_down = make_layer(6, 32, 16, 8, seed=5)
+    out = backend(x, logits, w_gate_up, w_down, 2, False, activation="gelu_tanh")
+    expected = dense_moe(x, logits, w_gate_up, w_down, 2, False, "gelu_tanh")
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+    silu = dense_moe(x, logits, w_gate_up, w_down, 2, False)
+    assert (expected - silu).abs().max() > 1e-2      # the activation really differs
+
+
 def test_triton_path_with_blocks_of_64_rows_and_strided_hidden():
     """A prefill-sized batch takes 64-row blocks; hidden may be a row-strided view."""
     x, logits, w_gate_up, w_down = make_layer(70, 32, 16, 4, seed=3)
@@ -168,7 +180,7 @@ def test_empty_batch():
     (dict(w_gate_up=lambda w: w[:, :15]), "w_gate_up"),
     (dict(router_logits=lambda r: r[:, :3]), "router_logits"),
     (dict(hidden=lambda h: h[None]), "hidden"),
-    (dict(activation="gelu"), "activation"),
+    (dict(activation="relu"), "activation"),
 ])
 @pytest.mark.parametrize("backend", [TorchFusedMoE(), TritonFusedMoE()], ids=lambda b: b.name)
 def test_bad_arguments_raise_clear_errors(change, match, backend):

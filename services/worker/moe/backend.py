@@ -4,7 +4,8 @@
               top_k, renormalize, activation="silu") -> [T, H] in hidden's dtype
 
 Each token goes to its top_k experts by softmax of its router logits (renormalize: the top-k
-weights rescaled to sum to 1); expert e computes down(act(gate(x)) * up(x)) with
+weights rescaled to sum to 1); expert e computes down(act(gate(x)) * up(x)), act one of
+ACTIVATIONS, with
 gate = w_gate_up[e, :I], up = w_gate_up[e, I:] (transformers 5's `experts.gate_up_proj` as it is;
 Mixtral's w1 / w3 and Qwen3-MoE's gate_proj / up_proj stacked gate first) and down = w_down[e]
 (Mixtral's w2, Qwen3-MoE's down_proj); the token's output is the weighted sum over its experts.
@@ -18,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "gelu_tanh")   # SwiGLU, GeGLU (tanh-approximated GELU)
 
 
 class FusedMoE(Protocol):

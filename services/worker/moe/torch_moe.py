@@ -11,6 +11,9 @@ from services.worker.moe.backend import check_moe_args
 from services.worker.moe.routing import route
 
 
+_ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class TorchFusedMoE:
     name = "torch"
 
@@ -32,6 +35,6 @@ class TorchFusedMoE:
             start += count
             tokens = rows // top_k
             gate, up = F.linear(hidden[tokens], w_gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w_down[expert])
+            y = F.linear(_ACTIVATION[activation](gate) * up, w_down[expert])
             out.index_add_(0, tokens, y.float() * weights[rows, None])
         return out.to(hidden.dtype)

@@ -33,8 +33,9 @@ def _block_rows(rows_by_expert, block_expert, num_rows, BLOCK_M: tl.constexpr):
 def _gate_up_kernel(hidden, w_gate_up, act, rows_by_expert, block_expert, num_rows, top_k,
                     hidden_size, intermediate, stride_ht, stride_we, stride_wn, stride_at,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """act[row, n] = silu(x . gate[n]) * (x . up[n]), x = hidden[row // top_k]."""
+                    DTYPE: tl.constexpr, PRECISION: tl.constexpr, GELU: tl.constexpr):
+    """act[row, n] = a(x . gate[n]) * (x . up[n]), x = hidden[row // top_k], a SiLU or (GELU)
+    tanh-approximated GELU = g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))."""
     expert, rows, row_ok = _block_rows(rows_by_expert, block_expert, num_rows, BLOCK_M)
     if expert < 0:
         return
@@ -55,7 +56,11 @@ def _gate_up_kernel(hidden, w_gate_up, act, rows_by_expert, block_expert, num_ro
         up = tl.load(up_cols[None, :] + k[:, None], mask=w_mask, other=0.0).to(DTYPE)
         acc_gate += tl.dot(x, gate, input_precision=PRECISION)
         acc_up += tl.dot(x, up, input_precision=PRECISION)
-    y = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    if GELU:
+        z = 1.5957691216057308 * (acc_gate + 0.044715 * acc_gate * acc_gate * acc_gate)
+    else:
+        z = acc_gate
+    y = acc_gate / (1.0 + tl.exp(-z)) * acc_up
     tl.store(act + rows[:, None] * stride_at + n[None, :], y.to(act.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
@@ -93,6 +98,13 @@ def choose_block_m(num_rows: int, num_experts: int) -> int:
     return min(64, max(16, next_pow2(-(-num_rows // num_experts))))
 
 
+def choose_block_n(num_rows: int) -> int:
+    """Output columns per program: decode-sized steps touch few experts, so narrower tiles give
+    more programs to stream those experts' weights in parallel. A first guess, for the GPU
+    bench (bench/gpu/moe.py) to tune."""
+    return 32 if num_rows <= 64 else 64
+
+
 def _block_k(width: int) -> int:
     return min(64, max(16, next_pow2(width)))
 
@@ -100,7 +112,8 @@ def _block_k(width: int) -> int:
 class TritonFusedMoE:
     name = "triton"
 
-    def __init__(self, block_n: int = 64):
+    def __init__(self, block_n: int | None = None):
+        """block_n: output columns per program (default: choose_block_n)."""
         self.block_n = block_n
 
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
@@ -117,26 +130,27 @@ class TritonFusedMoE:
         num_experts = w_gate_up.shape[0]
         groups = group_by_expert(routing.experts, num_experts,
                                  choose_block_m(num_tokens * top_k, num_experts))
-        return self.experts(hidden, routing.weights.flatten(), groups, w_gate_up,
-                            w_down).view(num_tokens, top_k, hidden_size).sum(1)
+        return self.experts(hidden, routing.weights.flatten(), groups, w_gate_up, w_down,
+                            activation).view(num_tokens, top_k, hidden_size).sum(1)
 
     def experts(self, hidden: torch.Tensor, row_weights: torch.Tensor, groups: ExpertGroups,
-                w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str) -> torch.Tensor:
         """-> [num_rows, hidden_size]: each row's expert output times its routing weight."""
         num_tokens, hidden_size = hidden.shape
         intermediate = w_down.shape[2]
         top_k = groups.num_rows // num_tokens
         dtype = compute_dtype(w_gate_up.dtype)
-        common = dict(BLOCK_M=groups.block_m, BLOCK_N=self.block_n, DTYPE=dtype,
+        block_n = self.block_n or choose_block_n(groups.num_rows)
+        common = dict(BLOCK_M=groups.block_m, BLOCK_N=block_n, DTYPE=dtype,
                       PRECISION=dot_precision(dtype))
         num_blocks = groups.block_expert.shape[0]
         act = torch.empty(groups.num_rows, intermediate, dtype=hidden.dtype, device=hidden.device)
-        _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, self.block_n))](
+        _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
             hidden, w_gate_up, act, groups.rows, groups.block_expert, groups.num_rows, top_k,
             hidden_size, intermediate, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-            act.stride(0), BLOCK_K=_block_k(hidden_size), **common)
+            act.stride(0), BLOCK_K=_block_k(hidden_size), GELU=activation == "gelu_tanh", **common)
         out = torch.empty(groups.num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
-        _down_kernel[(num_blocks, triton.cdiv(hidden_size, self.block_n))](
+        _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
             act, w_down, out, row_weights, groups.rows, groups.block_expert, groups.num_rows,
             hidden_size, intermediate, act.stride(0), w_down.stride(0), w_down.stride(1),
             out.stride(0), BLOCK_K=_block_k(intermediate), **common)
