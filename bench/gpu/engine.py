@@ -7,13 +7,16 @@ Reports, in one run:
 - the product card's workload: 256 requests of 1,000 prompt tokens and 300 output tokens at once:
   output tokens/s (target >= 15,000 on one H200), tokens/s per stream (target >= 20), and the TTFT
   p95 of short prompts arriving while that load runs (target < 1 s);
-- transformers' generate on the same workload in static batches, as the peer.
+- transformers' generate on the same workload in static batches, as the peer;
+- then the mixture-of-experts engine at random:qwen3-30b-a3b (bf16, Triton attention and fused
+  MoE; all 128 experts resident): batch-1 decode step and 64 x (1000 in, 200 out) output tokens/s.
 
 --smoke runs a tiny random model on whatever device there is, to prove the script works.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -100,6 +103,32 @@ def transformers_peer(cfg, device, n: int, prompt_len: int, out_len: int, batch:
     return dict(tps=n * out_len / elapsed, seconds=elapsed)
 
 
+MOE_SHAPE, SMOKE_MOE_SHAPE = "qwen3-30b-a3b", "tiny-moe"
+
+
+def moe_engine_rows(device, smoke: bool) -> list[tuple[str, str, str]]:
+    """The MoE engine's batch-1 decode step and a batch workload, at MOE_SHAPE (or, for --smoke,
+    a tiny MoE shape) when services/worker/model/shapes.py names it."""
+    from services.worker.engine.build import build_engine
+    from services.worker.model.shapes import NAMED_SHAPES
+    shape = SMOKE_MOE_SHAPE if smoke else MOE_SHAPE
+    if shape not in NAMED_SHAPES:
+        return [(f"random:{shape}", "not run: services/worker/model/shapes.py has no such shape", "")]
+    dtype, n, prompt_len, out_len, kv_gb = ("float32", 4, 48, 8, 0.05) if smoke else ("bfloat16", 64, 1000, 200, 30)
+    backend = "triton" if device.type == "cuda" else "torch"
+    built = build_engine(ModelSourceConfig(source=f"random:{shape}", dtype=dtype, device=device.type),
+                         EngineConfig(attention_backend=backend, kv_cache_memory_gb=kv_gb, max_num_seqs=n,
+                                      max_num_batched_tokens=256 if smoke else 8192))
+    per_step, _ = decode_batch1(built.engine, device, *((64, 16) if smoke else (1024, 128)))
+    load = product_workload(built.engine, device, n, prompt_len, out_len, 0)
+    cfg = built.loaded.config
+    return [(f"random:{shape} {dtype}: {cfg.num_experts} experts, top {cfg.num_experts_per_tok}, "
+             f"{cfg.num_layers} layers", f"{backend} attention and MoE", ""),
+            ("MoE batch-1 decode step", f"{per_step * 1e3:.2f} ms ({1 / per_step:.0f} tok/s)", ""),
+            (f"MoE {n} x ({prompt_len} in, {out_len} out): output tokens/s", f"{load['tps']:.0f}", ""),
+            ("MoE tokens/s per stream (1 / ITL p50)", f"{1 / load['itl_p50']:.1f}", "")]
+
+
 def main(argv=None) -> int:
     args = parse_args(__doc__, argv)
     device = select_device(args.smoke)
@@ -143,6 +172,11 @@ def main(argv=None) -> int:
     else:
         rows.append((f"transformers generate (static batches of {hf_batch})", f"{peer['tps']:.0f} tok/s", ""))
         rows.append(("ratio ours / transformers", f"{load['tps'] / peer['tps']:.2f}x", ""))
+    del built, engine, graphs    # the MoE engine below needs the memory
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows += moe_engine_rows(device, args.smoke)
     header = (f"# Engine on {device_name(device)}: random:{shape} {dtype}, {backend} attention\n\n"
               f"{time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s\n\n")
     report("gpu_engine.md", header + markdown_table(("measure", "value", "target"), rows))
