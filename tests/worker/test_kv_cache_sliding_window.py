@@ -1,7 +1,13 @@
 """Blocks wholly outside a sliding window (every layer sliding) go back to the pool while the
-request runs; the block table keeps its positions with the null block in their place."""
+request runs; the block table keeps its positions with the null block in their place, and the
+attention backends stay exact while other requests reuse those blocks."""
 
-from services.worker.attention.metadata import first_visible_position
+import pytest
+import torch
+
+from services.worker.attention.backend import select_backend
+from services.worker.attention.metadata import (
+    AttentionMetadata, cache_slot, first_visible_position, padded_block_tables)
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.request import RequestStatus
@@ -77,3 +83,66 @@ def test_without_a_window_nothing_is_released():
     for _ in range(10):
         run_step(sched)
     assert 0 not in kv.block_ids("a")
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_attention_stays_exact_while_released_blocks_are_reused(backend_name):
+    """Two requests share a small pool: blocks the long one releases are handed to the other and
+    overwritten, while the long one keeps decoding past them. Every step writes the scheduled
+    tokens' keys and values through the block tables as the model runner does, and every query's
+    windowed attention must equal dense attention over that request's own history."""
+    heads, kv_heads, dim, window = 2, 1, 16, 6
+    sched, kv = make_scheduler(window, num_blocks=7, budget=16, caching=False)   # 6 usable blocks
+    backend = select_backend(backend_name, torch.device("cpu"))
+    shape = (kv.pool.num_usable_blocks + 1, BS, kv_heads, dim)
+    key_cache, value_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    gen = torch.Generator().manual_seed(0)
+    history: dict[str, tuple[list, list]] = {}
+    requests = [make_request("long", range(1, 15), max_tokens=24), make_request("short", range(50, 54), max_tokens=3)]
+    sched.add(requests[0])
+    owners: dict[int, set[str]] = {}
+    for step in range(30):
+        if step == 8:
+            sched.add(requests[1])           # arrives once the long one has released blocks
+        out = sched.schedule()
+        if not out.scheduled:
+            break
+        spans = [(s.request.request_id, s.start_position, s.num_new_tokens, s.block_ids) for s in out.scheduled]
+        for rid, start, n, ids in spans:
+            keys, values = history.setdefault(rid, ([], []))
+            keys += [torch.randn(kv_heads, dim, generator=gen) for _ in range(n)]
+            values += [torch.randn(kv_heads, dim, generator=gen) for _ in range(n)]
+            for b in ids[start // BS:]:
+                owners.setdefault(b, set()).add(rid)
+        slots = torch.tensor([cache_slot(ids, p, BS) for _, start, n, ids in spans for p in range(start, start + n)])
+        new_k = torch.stack([history[rid][0][p] for rid, start, n, _ in spans for p in range(start, start + n)])
+        new_v = torch.stack([history[rid][1][p] for rid, start, n, _ in spans for p in range(start, start + n)])
+        query_lens, seq_lens = [n for _, _, n, _ in spans], [start + n for _, start, n, _ in spans]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(padded_block_tables([ids for *_, ids in spans]), dtype=torch.int32),
+            slot_mapping=slots, max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=BS,
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        backend.write_kv(new_k, new_v, key_cache, value_cache, slots)
+        query = torch.randn(starts[-1], heads, dim, generator=gen)
+        out_rows = backend.attend(query, key_cache, value_cache, meta, 0.25, window=window)
+        for (rid, start, n, _), row in zip(spans, starts):
+            keys, values = (torch.stack(h) for h in history[rid])
+            for j in range(n):
+                lo, hi = max(0, start + j - window + 1), start + j + 1
+                scores = torch.einsum("hd,td->ht", query[row + j], keys[lo:hi, 0]) * 0.25
+                expected = torch.softmax(scores, -1) @ values[lo:hi, 0]
+                torch.testing.assert_close(out_rows[row + j], expected, atol=1e-4, rtol=1e-4)
+        for item in out.scheduled:
+            r = item.request
+            r.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                r.append_output(100 + r.num_output_tokens)
+                if r.num_output_tokens >= r.max_tokens:
+                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    assert any(len(o) == 2 for o in owners.values())       # some block served both requests
+    assert requests[0].num_output_tokens == 24 and requests[0].num_preemptions == 0
