@@ -79,8 +79,8 @@ def _attend_range(q, position, key_cache, value_cache, block_table, kv_head, kv_
                   HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Online softmax of the tile's queries over cached positions [kv_lo, kv_hi), each row seeing
-    the positions in (its own - window, its own]. Returns the unnormalised output, the row sums and the row maxima, all
-    fp32 with scores in base 2 (qk_scale includes log2(e))."""
+    the positions in (its own - window, its own]. Returns the unnormalised output, the row sums
+    and the row maxima, all fp32 with scores in base 2 (qk_scale includes log2(e))."""
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
