@@ -103,6 +103,13 @@ class ConversationsServicer(pb_grpc.ConversationsServicer):
         return pb.AppendMessagesResponse(messages=[_message_pb(m) for m in stored])
 
     @_rpc
+    async def UpdateConversation(self, request: pb.UpdateConversationRequest) -> pb.Conversation:
+        organization_id, conversation_id, change = self._validate.update(request)
+        with self._timed("update"):
+            conversation = await self._store.update(organization_id, conversation_id, change)
+        return _conversation_pb(conversation)
+
+    @_rpc
     async def DeleteConversation(self, request: pb.DeleteConversationRequest) -> pb.DeleteConversationResponse:
         organization_id = self._validate.organization(request.organization_id)
         conversation_id = self._validate.conversation_id(request.conversation_id)

@@ -12,7 +12,7 @@ from llmserve.v1 import conversations_pb2 as pb
 
 from .config import LimitsConfig
 from .pagination import decode_page_token
-from .store import ROLES, Cursor, NewMessage
+from .store import ROLES, ConversationChange, Cursor, NewMessage
 
 
 class InvalidArgument(ValueError):
@@ -36,11 +36,22 @@ class RequestValidator:
 
     def create(self, request: pb.CreateConversationRequest) -> tuple[str, str, str, dict[str, str]]:
         organization_id = self.organization(request.organization_id)
-        title = self._text("title", request.title)
-        if len(title) > self.limits.max_title_chars:
-            raise InvalidArgument(f"title is too long: {len(title)} characters, at most {self.limits.max_title_chars}")
         model = self._optional_id("model", request.model)
-        return organization_id, title, model, self._metadata(request.metadata)
+        return organization_id, self._title(request.title), model, self._metadata(request.metadata)
+
+    def update(self, request: pb.UpdateConversationRequest) -> tuple[str, str, ConversationChange]:
+        organization_id = self.organization(request.organization_id)
+        conversation_id = self.conversation_id(request.conversation_id)
+        change = ConversationChange(
+            title=self._title(request.title) if request.HasField("title") else None,
+            model=self._optional_id("model", request.model) if request.HasField("model") else None,
+            metadata=self._metadata(request.metadata) if request.replace_metadata else None,
+            keep_messages=request.keep_messages if request.HasField("keep_messages") else None)
+        if change == ConversationChange():
+            raise InvalidArgument("nothing to update: set title, model, metadata (replace_metadata) or keep_messages")
+        if request.metadata and not request.replace_metadata:
+            raise InvalidArgument("metadata is set but replace_metadata is false")
+        return organization_id, conversation_id, change
 
     def append(self, request: pb.AppendMessagesRequest) -> tuple[str, str, list[NewMessage], str]:
         organization_id = self.organization(request.organization_id)
@@ -78,6 +89,12 @@ class RequestValidator:
                 f"{where}.content is too long: {size} bytes, at most {self.limits.max_content_bytes}")
         model = self._optional_id(f"{where}.model", message.model)
         return NewMessage(message.role, content, message.partial, model)
+
+    def _title(self, title: str) -> str:
+        self._text("title", title)
+        if len(title) > self.limits.max_title_chars:
+            raise InvalidArgument(f"title is too long: {len(title)} characters, at most {self.limits.max_title_chars}")
+        return title
 
     def _metadata(self, metadata: dict[str, str]) -> dict[str, str]:
         if len(metadata) > self.limits.max_metadata_entries:

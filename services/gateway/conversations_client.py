@@ -70,6 +70,14 @@ class ConversationsClient:
                          REQUEST_ID.get(), conversation_id, e.code().name, attempt, self._append_attempts)
             await asyncio.sleep(self._append_backoff_s * 2 ** (attempt - 1))
 
+    async def update(self, org_id: str, conversation_id: str, title: str | None, model: str | None,
+                     metadata: dict[str, str] | None, keep_messages: int | None) -> pb.Conversation:
+        """None leaves a field unchanged; keep_messages drops the messages from that position on."""
+        request = pb.UpdateConversationRequest(organization_id=org_id, conversation_id=conversation_id,
+                                               title=title, model=model, keep_messages=keep_messages,
+                                               replace_metadata=metadata is not None, metadata=metadata)
+        return await self._call(self._stub.UpdateConversation, request, conversation_id)
+
     async def delete(self, org_id: str, conversation_id: str) -> None:
         await self._call(self._stub.DeleteConversation, pb.DeleteConversationRequest(
             organization_id=org_id, conversation_id=conversation_id), conversation_id)

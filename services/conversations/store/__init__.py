@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..config import StoreConfig
-from .base import (Conversation, ConversationNotFound, ConversationStore, Cursor, Message,
-                   NewMessage, ROLES)
+from .base import (Conversation, ConversationChange, ConversationNotFound, ConversationStore, Cursor,
+                   Message, NewMessage, ROLES)
 
-__all__ = ["Conversation", "ConversationNotFound", "ConversationStore", "Cursor", "Message",
+__all__ = ["Conversation", "ConversationChange", "ConversationNotFound", "ConversationStore", "Cursor", "Message",
            "NewMessage", "ROLES", "open_store"]
 
 

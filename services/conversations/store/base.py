@@ -53,6 +53,15 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class ConversationChange:
+    """What an update changes; None leaves a field as it is."""
+    title: str | None = None
+    model: str | None = None
+    metadata: dict[str, str] | None = None
+    keep_messages: int | None = None   # messages with seq >= it are deleted; updated_at moves only then
+
+
+@dataclass(frozen=True)
 class Cursor:
     """A position in an organization's list, newest first: rows strictly after (updated_at_ms, id).
 
@@ -82,6 +91,11 @@ class ConversationStore(abc.ABC):
                      idempotency_key: str) -> list[Message]:
         """Stores all messages or none, at the next seqs. A key already used for this
         conversation returns the messages that first call stored and stores nothing.
+        Raises ConversationNotFound."""
+
+    @abc.abstractmethod
+    async def update(self, organization_id: str, conversation_id: str, change: ConversationChange) -> Conversation:
+        """Applies the change in one transaction; returns the conversation without messages.
         Raises ConversationNotFound."""
 
     @abc.abstractmethod

@@ -13,8 +13,8 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Mapping, Protocol
 
 from .. import migrations
-from .base import (Conversation, ConversationNotFound, ConversationStore, Cursor, Message,
-                   NewMessage, new_id, now_ms)
+from .base import (Conversation, ConversationChange, ConversationNotFound, ConversationStore, Cursor,
+                   Message, NewMessage, new_id, now_ms)
 
 Row = Mapping[str, Any]
 
@@ -117,6 +117,31 @@ class SqlStore(ConversationStore):
                 first_seq + len(stored), now, conversation_id)
         return stored
 
+    async def update(self, organization_id: str, conversation_id: str, change: ConversationChange) -> Conversation:
+        async with self.transaction(write=True) as tx:
+            rows = await tx.fetch(
+                f"SELECT {_CONVERSATION_COLUMNS} FROM conversations "
+                f"WHERE id = ? AND organization_id = ?{self.lock_for_update}",
+                conversation_id, organization_id)
+            if not rows:
+                raise ConversationNotFound(conversation_id)
+            old = _conversation(rows[0])
+            count, updated_at_ms = old.message_count, old.updated_at_ms
+            if change.keep_messages is not None and change.keep_messages < count:
+                count, updated_at_ms = change.keep_messages, max(now_ms(), updated_at_ms)
+                await tx.execute("DELETE FROM conversation_messages WHERE conversation_id = ? AND seq >= ?",
+                                 conversation_id, count)
+                # A replayed key must not answer with messages that are gone or were replaced.
+                await tx.execute("DELETE FROM conversation_appends WHERE conversation_id = ? AND first_seq + count > ?",
+                                 conversation_id, count)
+            new = Conversation(
+                old.id, old.organization_id, _or(change.title, old.title), _or(change.model, old.model),
+                dict(_or(change.metadata, old.metadata)), old.created_at_ms, updated_at_ms, count)
+            await tx.execute(
+                "UPDATE conversations SET title = ?, model = ?, metadata = ?, message_count = ?, updated_at_ms = ? "
+                "WHERE id = ?", new.title, new.model, json.dumps(new.metadata), count, updated_at_ms, conversation_id)
+        return new
+
     async def delete(self, organization_id: str, conversation_id: str) -> None:
         async with self.transaction(write=True) as tx:
             deleted = await tx.fetch(
@@ -138,6 +163,10 @@ class SqlStore(ConversationStore):
                 await tx.execute(f"INSERT INTO {_MIGRATIONS_TABLE} (version, name, applied_at_ms) "
                                  "VALUES (?, ?, ?)", migration.version, migration.name, now_ms())
         return [m.version for m in todo]
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _conversation(row: Row, messages: list[Message] | None = None) -> Conversation:

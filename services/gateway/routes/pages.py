@@ -1,4 +1,5 @@
-"""The chat page at /, its static files, health and Prometheus /metrics."""
+"""The chat page at / (built from services/gateway/web into static/), what the page needs to know of
+this gateway (/chat/config), its static files, health and Prometheus /metrics."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
+async def chat_config(request: web.Request) -> web.Response:
+    """Local mode (make run) hands the page its development key; production never has one to give."""
+    local = request.app[GATEWAY].config.local_mode
+    return web.json_response({"dev_api_key": local.api_key if local.enabled else None})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -29,6 +36,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def register(app: web.Application) -> None:
     app.router.add_get("/", index)
+    app.router.add_get("/chat/config", chat_config)
     app.router.add_get("/healthz", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_static("/static/", STATIC)
