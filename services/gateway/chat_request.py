@@ -10,15 +10,19 @@ from typing import Any
 
 from llmserve.v1 import worker_pb2
 from services.gateway.errors import invalid
+from services.gateway.structured import OutputFormat, ToolUse, parse_logit_bias, parse_response_format, parse_tools
 
 MAX_N = 16
 MAX_STOP = 4
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Accepted and ignored: they change nothing about the answer.
-IGNORED = {"user", "metadata", "service_tier", "store", "parallel_tool_calls"}
-UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "modalities", "audio",
-               "prediction", "web_search_options", "reasoning_effort", "verbosity", "prompt_cache_key",
-               "safety_identifier"}
+IGNORED = {"user", "metadata", "service_tier", "store", "safety_identifier", "reasoning_effort", "verbosity"}
+UNSUPPORTED = {"functions", "function_call", "modalities", "audio", "prediction", "web_search_options"}
+PARSED = {"max_completion_tokens", "stream_options", "response_format", "tools", "tool_choice",
+          "parallel_tool_calls", "logit_bias", "prompt_cache_key"}
+# Content parts a text model cannot read: refused by name rather than dropped.
+NON_TEXT_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file",
+                  "input_file": "file"}
 
 
 @dataclass
@@ -38,11 +42,27 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     conversation_id: str | None = None
+    chat: list[worker_pb2.ChatMessage] = field(default_factory=list)   # what the template renders
+    tools: ToolUse = field(default_factory=ToolUse)
+    output: OutputFormat = field(default_factory=OutputFormat)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    prompt_cache_key: str = ""
+
+    def chat_messages(self) -> list[worker_pb2.ChatMessage]:
+        return list(self.chat) or [worker_pb2.ChatMessage(role=role, content=text) for role, text in self.messages]
+
+    def constraint(self) -> worker_pb2.Constraint | None:
+        """A forced tool call (required, named) wins over response_format: its output is the call."""
+        return self.tools.constraint() or self.output.constraint
+
+    def constraint_param(self) -> str:
+        return "tools" if self.tools.constraint() is not None else self.output.param
 
     def sampling(self) -> worker_pb2.SamplingParams:
         params = worker_pb2.SamplingParams(
             max_tokens=self.max_tokens or 0, n=self.n, stop=self.stop, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logprobs=self.logprobs, top_logprobs=self.top_logprobs)
+            frequency_penalty=self.frequency_penalty, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+            logit_bias=self.logit_bias)
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:
@@ -89,7 +109,11 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NON_TEXT_PARTS:
+                raise invalid(f"{where}[{i}]: {NON_TEXT_PARTS[kind]} content ({kind}) is not supported: the served "
+                              "models read text only", f"{where}[{i}]", "unsupported_value")
+            if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
                 raise invalid(f"{where}[{i}]: only text content parts are supported", f"{where}[{i}]",
                               "unsupported_value")
             texts.append(part["text"])
@@ -97,26 +121,67 @@ def _content(content: Any, where: str) -> str:
     raise invalid(f"{where} must be a string or a list of text parts", where, "invalid_type")
 
 
-def parse_messages(messages: Any, *, allow_empty: bool = False) -> list[tuple[str, str]]:
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{where} must be a non-empty string", where,
+                      "missing_required_parameter" if value is None else "invalid_type")
+    return value
+
+
+def _tool_calls(calls: Any, where: str) -> list[worker_pb2.ToolCall]:
+    if not isinstance(calls, list):
+        raise invalid(f"{where} must be an array", where, "invalid_type")
+    parsed = []
+    for i, call in enumerate(calls):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function" \
+                or not isinstance(call.get("function"), dict):
+            raise invalid(f"{at} must be a function call ({{id, type: function, function: {{name, arguments}}}})",
+                          at, "invalid_type")
+        function = call["function"]
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):
+            raise invalid(f"{at}.function.arguments must be a string (JSON text)", f"{at}.function.arguments",
+                          "invalid_type")
+        parsed.append(worker_pb2.ToolCall(id=_string(call.get("id"), f"{at}.id"),
+                                          name=_string(function.get("name"), f"{at}.function.name"),
+                                          arguments=arguments))
+    return parsed
+
+
+def parse_message(message: Any, where: str) -> worker_pb2.ChatMessage:
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object", where, "invalid_type")
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(f"{where}.role must be one of {sorted(ROLES)}", f"{where}.role", "invalid_value")
+    for unsupported in ("function_call", "audio"):
+        if message.get(unsupported) is not None:
+            raise invalid(f"{where}.{unsupported} is not supported", f"{where}.{unsupported}",
+                          "unsupported_parameter")
+    calls = []
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            raise invalid(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls",
+                          "invalid_value")
+        calls = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    content = message.get("content")
+    if content is None and not calls:
+        raise invalid(f"{where}.content is required", f"{where}.content", "missing_required_parameter")
+    parsed = worker_pb2.ChatMessage(role=ROLES[role], content=_content(content, f"{where}.content")
+                                    if content is not None else "", tool_calls=calls)
+    if role == "tool":
+        parsed.tool_call_id = _string(message.get("tool_call_id"), f"{where}.tool_call_id")
+        if isinstance(message.get("name"), str):
+            parsed.name = message["name"]
+    return parsed
+
+
+def parse_chat_messages(messages: Any, *, allow_empty: bool = False) -> list[worker_pb2.ChatMessage]:
     if not isinstance(messages, list) or (not messages and not allow_empty):
         raise invalid("messages must be a non-empty array", "messages",
                       "invalid_type" if not isinstance(messages, list) else "invalid_value")
-    parsed = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object", where, "invalid_type")
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid(f"{where}.role must be one of {sorted(ROLES)}", f"{where}.role", "invalid_value")
-        for unsupported in ("tool_calls", "function_call", "audio"):
-            if message.get(unsupported) is not None:
-                raise invalid(f"{where}.{unsupported} is not supported", f"{where}.{unsupported}",
-                              "unsupported_parameter")
-        if "content" not in message or message["content"] is None:
-            raise invalid(f"{where}.content is required", f"{where}.content", "missing_required_parameter")
-        parsed.append((ROLES[role], _content(message["content"], f"{where}.content")))
-    return parsed
+    return [parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -126,7 +191,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         if name in UNSUPPORTED and value not in (None, [], {}):
             raise invalid(f"{name} is not supported by this server", name, "unsupported_parameter")
         if name not in ChatRequest.__dataclass_fields__ and name not in IGNORED and name not in UNSUPPORTED \
-                and name not in ("max_completion_tokens", "stream_options", "response_format"):
+                and name not in PARSED:
             raise invalid(f"unrecognized request argument: {name}", name, "unknown_parameter")
 
     model = body.get("model")
@@ -138,7 +203,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise invalid("conversation_id must be a non-empty string", "conversation_id", "invalid_type")
     if "messages" not in body:
         raise invalid("messages is required", "messages", "missing_required_parameter")
-    req = ChatRequest(model=model, messages=parse_messages(body["messages"]), conversation_id=conversation_id)
+    chat = parse_chat_messages(body["messages"])
+    req = ChatRequest(model=model, messages=[(m.role, m.content) for m in chat], conversation_id=conversation_id,
+                      chat=chat)
 
     req.stream = _boolean(body, "stream")
     options = body.get("stream_options")
@@ -177,13 +244,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
     elif stop is not None:
         raise invalid("stop must be a string or an array of strings", "stop", "invalid_type")
 
-    response_format = body.get("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict) or "type" not in response_format:
-            raise invalid("response_format must be an object with a type", "response_format", "invalid_type")
-        if response_format["type"] != "text":
-            raise invalid(f"response_format type {response_format['type']!r} is not supported (only 'text')",
-                          "response_format", "unsupported_value")
+    req.output = parse_response_format(body.get("response_format"))
+    req.tools = parse_tools(body)
+    req.logit_bias = parse_logit_bias(body.get("logit_bias"), 0)
+    key = body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise invalid("prompt_cache_key must be a string", "prompt_cache_key", "invalid_type")
+    req.prompt_cache_key = key or ""
     if body.get("store") not in (None, False):
-        raise invalid("store: true is not supported", "store", "unsupported_value")
+        raise invalid("store: true is not supported on chat completions (use /v1/responses)", "store",
+                      "unsupported_value")
     return req

@@ -17,11 +17,11 @@ from services.gateway.errors import ApiError
 
 FINISH_REASONS = {worker_pb2.FINISH_REASON_STOP: "stop", worker_pb2.FINISH_REASON_LENGTH: "length"}
 # Compact JSON with UTF-8 text as is; one encoder, not one per json.dumps call.
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_dumps = dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
-def new_completion_id() -> str:
-    return "chatcmpl-" + secrets.token_urlsafe(18)
+def new_completion_id(prefix: str = "chatcmpl-") -> str:
+    return prefix + secrets.token_urlsafe(18)
 
 
 def logprob_entry(lp: worker_pb2.TokenLogprob) -> dict[str, Any]:
@@ -61,8 +61,9 @@ class Choice:
 
 
 class Completion:
-    def __init__(self, model: str, n: int, guards: list[Any], logprobs: bool, prompt_tokens_estimate: int):
-        self.id = new_completion_id()
+    def __init__(self, model: str, n: int, guards: list[Any], logprobs: bool, prompt_tokens_estimate: int,
+                 id_prefix: str = "chatcmpl-"):
+        self.id = new_completion_id(id_prefix)
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, TypeVar
 from aiohttp import web
 
 T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
 KEEPALIVE = object()  # yielded by with_keepalive when nothing arrived for a while
 
 _HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
@@ -37,6 +38,9 @@ class EventStream:
         """Whole encoded events (Completion.chunk) for the next send()."""
         self._queued.append(data)
 
+    def queue_all(self, events: list[bytes]) -> None:
+        self._queued.extend(events)
+
     def _take(self, data: bytes) -> bytes:
         if self._queued:
             data = b"".join((*self._queued, data))
@@ -53,9 +57,10 @@ class EventStream:
     async def keepalive(self) -> None:
         await self.send(b": keep-alive\n\n")
 
-    async def done(self) -> None:
+    async def done(self, last: bytes = DONE) -> None:
+        """Ends the stream, `last` (the [DONE] event, or b"" where the format has none) after the queued events."""
         await self.start()
-        await self.response.write_eof(self._take(b"data: [DONE]\n\n"))
+        await self.response.write_eof(self._take(last))
 
 
 async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIterator[Any]:
