@@ -34,6 +34,7 @@ class GrammarCompiler:
         self._lltokenizer: llguidance.LLTokenizer | None = None   # built on first use (~0.4 s)
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self.num_compiled = 0   # cache misses that built a grammar
 
     def compile(self, constraint: Constraint) -> None:
         """Compile (or find) the constraint's grammar; ValueError naming the field if it is bad."""
@@ -59,6 +60,7 @@ class GrammarCompiler:
         if prototype.is_error():
             raise ValueError(f"constraint.{constraint.kind}: {_first_line(prototype.get_error())}")
         with self._lock:
+            self.num_compiled += 1
             self._cache[constraint] = prototype
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
