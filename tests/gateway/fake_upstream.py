@@ -9,6 +9,8 @@ The reply is chosen by markers in the last message, so each test states its scen
   [too-long]        INVALID_ARGUMENT before any token ("prompt is too long for the context")
   [say:TEXT]        TEXT split into one-character messages (to split safety matches)
   [slow]            20 ms between messages
+  [refuse-constraint] INVALID_ARGUMENT naming the constraint's schema keyword, as a grammar engine refuses it
+  [reply-system]    the first (system) message's text, in 3-character messages (scripted model output)
 Every call is recorded; cancellations are recorded with the time they were seen.
 """
 
@@ -52,7 +54,8 @@ class FakeGeneration(worker_pb2_grpc.GenerationServicer, router_pb2_grpc.RouterS
 
     async def ListModels(self, request, context):
         return worker_pb2.ListModelsResponse(models=[
-            worker_pb2.ModelInfo(name=name, max_context_length=ctx, dtype="float32", owned_by="llmserve-test")
+            worker_pb2.ModelInfo(name=name, max_context_length=ctx, dtype="float32", owned_by="llmserve-test",
+                                 vocab_size=49152, tool_call_format="hermes")
             for name, ctx in self.models.items()])
 
     async def Tokenize(self, request, context):
@@ -67,7 +70,7 @@ class FakeGeneration(worker_pb2_grpc.GenerationServicer, router_pb2_grpc.RouterS
     async def Generate(self, request, context):
         record = CallRecord(request, dict(context.invocation_metadata()))
         self.calls.append(record)
-        prompt = request.chat.messages[-1].content
+        prompt = request.chat.messages[-1].content if request.WhichOneof("prompt") == "chat" else request.text
         sampling = request.sampling
         n = sampling.n or 1
         max_tokens = sampling.max_tokens or 10_000
@@ -75,11 +78,16 @@ class FakeGeneration(worker_pb2_grpc.GenerationServicer, router_pb2_grpc.RouterS
         try:
             if "[too-long]" in prompt:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is too long for the context")
+            if "[refuse-constraint]" in prompt:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "json_schema: unsupported keyword 'dependentSchemas'")
             if "[hang]" in prompt:
                 await asyncio.sleep(3600)
             delay = 0.02 if "[drip]" in prompt or "[slow]" in prompt else 0.0
             if m := re.search(r"\[words:(\d+)\]", prompt):
                 pieces = [f"w{i} " for i in range(int(m.group(1)))]
+            elif "[reply-system]" in prompt:
+                script = request.chat.messages[0].content
+                pieces = [script[i:i + 3] for i in range(0, len(script), 3)]
             elif m := re.search(r"\[say:([^\]]*)\]", prompt):
                 pieces = list(m.group(1))
             elif "[drip]" in prompt:
