@@ -116,6 +116,11 @@ def test_keyboard_streaming_stop_and_resume(gateway: GatewayHarness, page: Page)
     _, _, key = gateway.new_org("keyboard")
     use_key(page, gateway, key)
     calls = len(gateway.fake.calls)
+    # What a screen reader finds: named controls and regions.
+    for role, name in (("textbox", "Message"), ("button", "Send"), ("combobox", "Model"), ("log", "Messages"),
+                       ("navigation", "Conversation list"), ("complementary", "Conversations"),
+                       ("textbox", "API key"), ("button", "New chat"), ("button", "Settings")):
+        expect(page.get_by_role(role, name=name, exact=True)).to_have_count(1)
 
     page.locator("#prompt").type("[slow][words:30] first line")
     page.keyboard.press("Shift+Enter")                       # a new line, not a send
@@ -132,6 +137,8 @@ def test_keyboard_streaming_stop_and_resume(gateway: GatewayHarness, page: Page)
     expect(reply.locator(".body")).to_contain_text("w29")
     expect(reply.locator(".stats")).to_have_text(re.compile(r"^TTFT \d+\.\d\d s · \d+(\.\d)? tokens/s · 30 tokens$"))
     expect(page.locator("#prompt")).to_be_focused()
+    expect(reply).to_have_attribute("aria-busy", "false")
+    expect(page.get_by_role("button", name="Regenerate this answer")).to_have_count(1)
 
     # The title comes from the first message; the new conversation is listed and marked current.
     conversation_id = current_id(page)
