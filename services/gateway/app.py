@@ -81,7 +81,7 @@ async def open_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | Non
                  metrics=metrics, tracer_provider=tracer_provider or make_tracer_provider(cfg.tracing))
     if cfg.local_mode.enabled:
         await ensure_dev_key(store, cfg.local_mode.organization, cfg.local_mode.api_key)
-    if cfg.overload.max_in_flight_per_worker > 0:
+    if cfg.overload.max_in_flight_per_worker > 0 or cfg.overload.follow_pool_load:
         replicas = make_replicas(cfg.rate_limit, beat_s=cfg.overload.workers_poll_s)
         gw.pool_watch = PoolWatch(gw.upstream, gw.overload, replicas, cfg.overload.workers_poll_s)
         gw.pool_watch.start()

@@ -1,8 +1,10 @@
 """Admin CLI for SREs, over the gateway's admin API.
 
-    python -m services.gateway.cli orgs create acme --rpm 600 --tpm 100000
+    python -m services.gateway.cli orgs create acme --rpm 600 --tpm 100000 [--weight 2]
     python -m services.gateway.cli orgs list
-    python -m services.gateway.cli keys create <org id> ci-key [--rpm N] [--tpm N]   # prints the secret once
+    python -m services.gateway.cli orgs weight <org id> 2        # its fair share of a contended model
+    python -m services.gateway.cli keys create <org id> ci-key [--rpm N] [--tpm N] [--priority batch]
+                                                                  # prints the secret once
     python -m services.gateway.cli keys list <org id>
     python -m services.gateway.cli keys revoke <key id>
     python -m services.gateway.cli usage <org id> [--since UNIX_SECONDS]
@@ -56,11 +58,15 @@ def _limits(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace, client: AdminClient) -> Any:
     if args.group == "orgs" and args.action == "create":
-        return client.call("POST", "/admin/v1/organizations", {"name": args.name, **_limits(args)})
+        extra = {"weight": args.weight} if args.weight is not None else {}
+        return client.call("POST", "/admin/v1/organizations", {"name": args.name, **_limits(args), **extra})
+    if args.group == "orgs" and args.action == "weight":
+        return client.call("PATCH", f"/admin/v1/organizations/{args.org}", {"weight": args.weight})
     if args.group == "orgs":
         return client.call("GET", "/admin/v1/organizations")
     if args.group == "keys" and args.action == "create":
-        return client.call("POST", f"/admin/v1/organizations/{args.org}/keys", {"name": args.name, **_limits(args)})
+        return client.call("POST", f"/admin/v1/organizations/{args.org}/keys",
+                           {"name": args.name, "priority_class": args.priority, **_limits(args)})
     if args.group == "keys" and args.action == "list":
         return client.call("GET", f"/admin/v1/organizations/{args.org}/keys")
     if args.group == "keys":
@@ -80,12 +86,18 @@ def parser() -> argparse.ArgumentParser:
     orgs = groups.add_parser("orgs").add_subparsers(dest="action", required=True)
     create = orgs.add_parser("create")
     create.add_argument("name")
+    create.add_argument("--weight", type=float, help="fair share against other organizations (default 1)")
     orgs.add_parser("list")
+    weight = orgs.add_parser("weight")
+    weight.add_argument("org")
+    weight.add_argument("weight", type=float)
 
     keys = groups.add_parser("keys").add_subparsers(dest="action", required=True)
     create_key = keys.add_parser("create")
     create_key.add_argument("org")
     create_key.add_argument("name")
+    create_key.add_argument("--priority", default="interactive", choices=["interactive", "batch"],
+                            help="interactive requests go before batch ones when a model is contended")
     keys.add_parser("list").add_argument("org")
     keys.add_parser("revoke").add_argument("key")
     for sub in (create, create_key):

@@ -59,11 +59,19 @@ class AuthConfig:
 
 @dataclass
 class OverloadConfig:
-    # The in-flight limit of a model: max_in_flight_per_worker x its routable workers (the router's
-    # ListWorkers, polled every workers_poll_s; one worker when the upstream is a worker), kept within
-    # [min_in_flight_per_model, max_in_flight_per_model]. 0: a fixed max_in_flight_per_model.
-    # Replicas sharing the Redis rate limiter share this budget (heartbeats in Redis, one a poll):
-    # each admits 1/N of it, rounded up. With the memory backend a replica counts itself alone.
+    # Admission (overload.py). With follow_pool_load, a model's stream limit is what its workers
+    # report they can run while each stream gets stream_tokens_per_s, and a request waits while the
+    # prompts queued in the pool would delay its first token past ttft_target_s. Before the workers
+    # report speeds (or without follow_pool_load): max_in_flight_per_worker x its routable workers
+    # (the router's ListWorkers, polled every workers_poll_s; one worker when the upstream is a
+    # worker); 0: a fixed max_in_flight_per_model. Always within [min_in_flight_per_model,
+    # max_in_flight_per_model]. Replicas sharing the Redis rate limiter share this budget
+    # (heartbeats in Redis, one a poll): each admits 1/N of it, rounded up. With the memory backend a
+    # replica counts itself alone.
+    follow_pool_load: bool = True
+    ttft_target_s: float = 1.0            # the product card: first token within 1 s (short prompts)
+    stream_tokens_per_s: float = 20.0     # and at least 20 tokens/s per stream
+    default_output_tokens: int = 256      # the answer length charged to the fair queue without max_tokens
     max_in_flight_per_worker: int = 0
     min_in_flight_per_model: int = 1
     max_in_flight_per_model: int = 64
@@ -135,3 +143,12 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError("overload: max_in_flight_per_worker >= 0 and max_queued_per_model >= 0")
     if overload.workers_poll_s <= 0:
         raise ConfigError("overload.workers_poll_s must be > 0")
+    if not 0 < overload.ttft_target_s <= 600:
+        raise ConfigError(f"overload.ttft_target_s must be in (0, 600] seconds, got {overload.ttft_target_s}")
+    if not 0 <= overload.stream_tokens_per_s <= 10_000:
+        raise ConfigError(f"overload.stream_tokens_per_s must be in [0, 10000] (0: no speed target), "
+                          f"got {overload.stream_tokens_per_s}")
+    if not 0 <= overload.queue_timeout_s <= 600 or overload.retry_after_s <= 0:
+        raise ConfigError("overload: queue_timeout_s must be in [0, 600] seconds and retry_after_s > 0")
+    if overload.default_output_tokens < 1:
+        raise ConfigError("overload.default_output_tokens must be >= 1")

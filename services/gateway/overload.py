@@ -1,86 +1,95 @@
-"""Load shedding: per model, at most `limit` requests in flight and a short bounded queue behind them.
+"""Admission: per model, as many streams as the pool serves within its targets, a short fair queue
+behind them, and a fast refusal (429 or 503 with Retry-After) past that.
 
-Past the queue, or after queue_timeout_s in it, a request is refused at once (429 or 503 with
-Retry-After), so the admitted ones keep their latency while the excess goes elsewhere.
+The limit of a model's streams follows the pool (set_pool, fed by pool_watch.py): once its
+workers report speeds, the streams they can run while each gets overload.stream_tokens_per_s
+(admission/estimator.py); before that, max_in_flight_per_worker x the routable workers (0: a fixed
+max_in_flight_per_model). Gateway replicas share it: each takes 1/replicas, rounded up, within
+[min_in_flight_per_model, max_in_flight_per_model]. A request is also held back while the prompt
+tokens queued in the pool (reported, plus what this replica admitted since) would keep its first
+token past overload.ttft_target_s; a request alone in flight is never held back.
 
-The limit follows the pool: max_in_flight_per_worker x the model's routable workers, shared among
-the gateway replicas (this one takes 1/replicas of it, rounded up), within
-[min_in_flight_per_model, max_in_flight_per_model]; set_workers is fed by pool_watch.py. With
-max_in_flight_per_worker 0 it is a fixed max_in_flight_per_model per replica.
+Who waits goes first by priority class, then organization in weighted fair order by tokens
+(admission/fair_queue.py). A newcomer whose estimated wait (its place in that order x the mean
+time a stream holds its slot / the limit) exceeds queue_timeout_s, or who finds the queue full, is
+refused at once with that estimate as Retry-After; one still waiting after queue_timeout_s too.
+Nothing reaches the upstream before admission, so a refused request costs the pool nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import math
+import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Mapping, Sequence
 
+from llmserve.v1 import worker_pb2
+from services.gateway.admission.estimator import Estimate, PoolEstimator
+from services.gateway.admission.fair_queue import FairQueue, Waiter, token_cost
+from services.gateway.admission.metrics import AdmissionMetrics
 from services.gateway.config import OverloadConfig
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
 
+HOLD_ALPHA = 0.2      # weight of the newest stream in the mean slot hold time
+
 
 class Overloaded(ApiError):
-    """The model's in-flight slots and queue are full; nothing was sent upstream."""
+    """The model's pool is full and its queue too, or the wait would be too long; nothing was sent upstream."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request. first_token() lets the estimate be compared with what happened."""
+    model: str
+    org: str
+    prompt_tokens: int
+    estimate: Estimate | None = None
+    admitted_at: float = field(default_factory=time.monotonic)
+    _guard: "OverloadGuard | None" = None
+
+    def first_token(self) -> None:
+        if self.estimate is not None and self._guard is not None:
+            actual = time.monotonic() - self.admitted_at
+            self._guard.metrics.ttft_ratio.labels(model=self.model).observe(actual / max(1e-3, self.estimate.ttft_s))
+            self.estimate = None
 
 
 class _ModelGate:
-    """In-flight requests against a limit that may change; waiters get slots first come, first served.
-    Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed."""
+    """Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.in_flight = 0
-        self.waiters: deque[asyncio.Future] = deque()
-
-    def try_enter(self) -> bool:
-        if self.waiters or self.in_flight >= self.limit:
-            return False
-        self.in_flight += 1
-        return True
-
-    async def wait(self, timeout: float) -> None:
-        """Waits for a slot; raises TimeoutError after `timeout` holding none."""
-        slot = asyncio.get_running_loop().create_future()
-        self.waiters.append(slot)
-        try:
-            await asyncio.wait_for(slot, timeout)
-        except BaseException:
-            if slot.done() and not slot.cancelled():
-                self.leave()          # granted just as we gave up: hand it on
-            raise
-        finally:
-            if slot in self.waiters:
-                self.waiters.remove(slot)
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        self.wake()
-
-    def wake(self) -> None:
-        while self.waiters and self.in_flight < self.limit:
-            slot = self.waiters.popleft()
-            if not slot.done():
-                self.in_flight += 1
-                slot.set_result(None)
+        self.queue = FairQueue()
+        self.pool = PoolEstimator()
+        self.since_report: list[int] = []     # prompt tokens admitted here since the pool's last report
+        self.hold_s = 0.0                     # mean time a stream holds its slot (0: none measured)
 
 
 class OverloadGuard:
     def __init__(self, cfg: OverloadConfig, metrics: GatewayMetrics):
         self._cfg = cfg
         self._metrics = metrics
+        self.metrics = AdmissionMetrics(metrics.registry)
         self._gates: dict[str, _ModelGate] = {}
         self._workers: Mapping[str, int] = {}
         self._default_workers = 0     # for a model the pool view does not list
         self._replicas = 1            # gateway replicas sharing the workers
 
+    # -- the limit ---------------------------------------------------------------------------
+
     def limit(self, model: str) -> int:
         cfg = self._cfg
-        if cfg.max_in_flight_per_worker <= 0:
-            return cfg.max_in_flight_per_model
-        workers = self._workers.get(model, self._default_workers)
-        share = -(-cfg.max_in_flight_per_worker * workers // self._replicas)
+        gate = self._gates.get(model)
+        capacity = gate.pool.capacity(cfg.stream_tokens_per_s) if gate and cfg.follow_pool_load else None
+        if capacity is None:
+            if cfg.max_in_flight_per_worker <= 0:
+                return cfg.max_in_flight_per_model
+            capacity = cfg.max_in_flight_per_worker * self._workers.get(model, self._default_workers)
+        share = -(-capacity // self._replicas)
         return min(max(share, cfg.min_in_flight_per_model), cfg.max_in_flight_per_model)
 
     def set_workers(self, workers: Mapping[str, int], default: int = 0, replicas: int = 1) -> None:
@@ -89,43 +98,132 @@ class OverloadGuard:
         self._workers, self._default_workers, self._replicas = dict(workers), default, max(1, replicas)
         for model in set(self._gates) | set(workers):
             self._gate(model)
+        self._refresh()
+
+    def set_pool(self, reports: Mapping[str, Sequence[worker_pb2.LoadReport]], replicas: int = 1) -> None:
+        """Each model's routable workers' last load reports, and the replicas sharing them."""
+        for model, found in reports.items():
+            gate = self._gate(model)
+            gate.pool.update(found)
+            gate.since_report.clear()
+        self.set_workers({m: len(r) for m, r in reports.items()}, replicas=replicas)
+
+    def _refresh(self) -> None:
         for model, gate in self._gates.items():
             gate.limit = self.limit(model)
             self._metrics.overload_limit.labels(model=model).set(gate.limit)
-            gate.wake()
+            self._wake(model, gate)
 
     def _gate(self, model: str) -> _ModelGate:
         gate = self._gates.get(model)
         if gate is None:
-            gate = self._gates[model] = _ModelGate(self.limit(model))
+            gate = self._gates[model] = _ModelGate(0)
+            gate.limit = self.limit(model)
             self._metrics.overload_limit.labels(model=model).set(gate.limit)
         return gate
 
-    def _refusal(self, model: str, why: str) -> Overloaded:
+    # -- decisions ---------------------------------------------------------------------------
+
+    def _fits(self, gate: _ModelGate) -> bool:
+        if gate.in_flight >= gate.limit:
+            return False
+        if gate.in_flight == 0 or not self._cfg.follow_pool_load:
+            return True
+        return gate.pool.queue_delay_s(sum(gate.since_report)) <= self._cfg.ttft_target_s
+
+    def estimated_wait_s(self, model: str, ahead: int) -> float | None:
+        """When a request with `ahead` others before it in the queue would be admitted (None until
+        a stream of the model has ended here)."""
+        gate = self._gate(model)
+        return (ahead + 1) * gate.hold_s / max(1, gate.limit) if gate.hold_s else None
+
+    def _grant(self, model: str, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int) -> None:
+        gate.in_flight += 1
+        gate.queue.charge(org, cost, weight)
+        gate.since_report.append(prompt_tokens)
+
+    def _wake(self, model: str, gate: _ModelGate) -> None:
+        while len(gate.queue) and self._fits(gate):
+            waiter = gate.queue.pop()
+            if waiter.future.done():
+                continue
+            self._grant(model, gate, waiter.org, waiter.cost, waiter.weight, waiter.prompt_tokens)
+            waiter.future.set_result(None)
+
+    def _refusal(self, model: str, org: str, why: str, retry_s: float | None) -> Overloaded:
         self._metrics.overload_refusals.labels(model=model).inc()
-        retry = self._cfg.retry_after_s
+        self.metrics.decisions.labels(model=model, organization=org, decision="refused").inc()
+        retry_s = max(0.001, retry_s if retry_s is not None else self._cfg.retry_after_s)
         return Overloaded(self._cfg.refuse_status, f"the model `{model}` is overloaded ({why}); retry shortly",
-                        code="overloaded", type="rate_limit_error" if self._cfg.refuse_status == 429 else None,
-                        headers={"Retry-After": str(max(1, round(retry))), "retry-after-ms": str(int(retry * 1000))})
+                          code="overloaded", type="rate_limit_error" if self._cfg.refuse_status == 429 else None,
+                          headers={"Retry-After": str(max(1, math.ceil(retry_s))),
+                                   "retry-after-ms": str(int(retry_s * 1000))})
 
     @asynccontextmanager
-    async def admit(self, model: str) -> AsyncIterator[None]:
+    async def admit(self, model: str, org: str = "", weight: float = 1.0, priority: int = 0,
+                    prompt_tokens: int = 0, max_tokens: int | None = None) -> AsyncIterator[Ticket]:
+        """Holds one of the model's slots while the body runs. Raises Overloaded (nothing held)."""
+        cfg = self._cfg
         gate = self._gate(model)
-        if not gate.try_enter():
-            if len(gate.waiters) >= self._cfg.max_queued_per_model:
-                raise self._refusal(model, "queue full")
-            queued = self._metrics.queued.labels(model=model)
-            queued.inc()
-            try:
-                await gate.wait(self._cfg.queue_timeout_s)
-            except TimeoutError:
-                raise self._refusal(model, "queue timeout") from None
-            finally:
-                queued.dec()
+        cost = token_cost(prompt_tokens, max_tokens or cfg.default_output_tokens)
+        gate.queue.join(org)
+        try:
+            if not len(gate.queue) and self._fits(gate):
+                self._grant(model, gate, org, cost, weight, prompt_tokens)
+                self.metrics.decisions.labels(model=model, organization=org, decision="admitted").inc()
+            else:
+                await self._queue(model, gate, Waiter(org, weight, priority, cost, prompt_tokens=prompt_tokens))
+        except BaseException:
+            gate.queue.leave(org)
+            raise
+        ticket = Ticket(model, org, prompt_tokens, _guard=self)
+        ticket.estimate = gate.pool.estimate(prompt_tokens, gate.in_flight - 1, sum(gate.since_report[:-1]))
+        if ticket.estimate is not None:
+            self.metrics.ttft_estimate.labels(model=model).observe(ticket.estimate.ttft_s)
+            self.metrics.stream_speed_estimate.labels(model=model).set(ticket.estimate.tokens_per_s)
         in_flight = self._metrics.in_flight.labels(model=model)
         in_flight.set(gate.in_flight)
         try:
-            yield
+            yield ticket
         finally:
-            gate.leave()
+            held = time.monotonic() - ticket.admitted_at
+            gate.hold_s = held if not gate.hold_s else gate.hold_s + HOLD_ALPHA * (held - gate.hold_s)
+            gate.in_flight -= 1
+            gate.queue.leave(org)
             in_flight.set(gate.in_flight)
+            self._wake(model, gate)
+
+    async def _queue(self, model: str, gate: _ModelGate, waiter: Waiter) -> None:
+        cfg = self._cfg
+        if len(gate.queue) >= cfg.max_queued_per_model:
+            raise self._refusal(model, waiter.org, "queue full", self.estimated_wait_s(model, len(gate.queue)))
+        gate.queue.push(waiter)
+        estimate = self.estimated_wait_s(model, gate.queue.position(waiter))
+        if estimate is not None and estimate > cfg.queue_timeout_s:
+            gate.queue.discard(waiter)
+            raise self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate)
+        self.metrics.decisions.labels(model=model, organization=waiter.org, decision="queued").inc()
+        queued = self._metrics.queued.labels(model=model)
+        queued.inc()
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), cfg.queue_timeout_s)
+        except BaseException as e:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self._release_granted(model, gate)       # granted just as we gave up: hand it on
+            else:
+                waiter.future.cancel()
+            gate.queue.discard(waiter)
+            if isinstance(e, TimeoutError):
+                raise self._refusal(model, waiter.org, "queue timeout",
+                                    self.estimated_wait_s(model, len(gate.queue))) from None
+            raise
+        finally:
+            queued.dec()
+        self.metrics.queue_wait.labels(model=model).observe(time.monotonic() - started)
+        if estimate is not None:
+            self.metrics.queue_wait_estimate.labels(model=model).observe(estimate)
+
+    def _release_granted(self, model: str, gate: _ModelGate) -> None:
+        gate.in_flight -= 1
+        self._wake(model, gate)

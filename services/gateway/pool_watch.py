@@ -1,6 +1,6 @@
-"""The overload guard's view of the pool: how many workers of each model are routable (healthy,
-not drained by the admin, not shutting down), polled from the router's ListWorkers, and how many
-gateway replicas share them (replicas.py, one heartbeat a poll).
+"""The overload guard's view of the pool: each model's routable workers (healthy, not drained by
+the admin, not shutting down) with their last load reports, polled from the router's ListWorkers,
+and how many gateway replicas share them (replicas.py, one heartbeat a poll).
 
 An upstream that is a single worker (no Router service) counts as one worker per model. A failed
 poll keeps the last counts: while the router is unreachable requests fail on their own anyway.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 
 from services.gateway.errors import ApiError
 from services.gateway.overload import OverloadGuard
@@ -47,9 +46,11 @@ class PoolWatch:
                 self._guard.set_workers({}, default=1, replicas=replicas)
                 return False
             return True       # logged by the upstream client
-        routable = Counter({w.model: 0 for w in workers})
-        routable.update(w.model for w in workers if w.healthy and not w.draining and not w.load.draining)
-        self._guard.set_workers(routable, replicas=replicas)
+        reports: dict[str, list] = {w.model: [] for w in workers}
+        for w in workers:
+            if w.healthy and not w.draining and not w.load.draining:
+                reports[w.model].append(w.load)
+        self._guard.set_pool(reports, replicas=replicas)
         return True
 
     async def _run(self) -> None:

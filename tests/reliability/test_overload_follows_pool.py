@@ -1,5 +1,6 @@
-"""The gateway's in-flight limit follows the pool: max_in_flight_per_worker x the model's routable
-workers as the router reports them. A gateway process with one stream per worker and no queue, in
+"""The gateway's in-flight limit follows the pool's routable workers: with follow_pool_load off (so
+the measured speeds do not set it), max_in_flight_per_worker x the model's routable workers as the
+router reports them. A gateway process with one stream per worker and no queue, in
 front of the platform's router and two workers: two streams are admitted and a third is refused
 at once; with one worker drained by the admin, one stream and the second refused; undrained, two
 again."""
@@ -24,7 +25,8 @@ LONG = 200   # tokens: the admitted streams are still running when the next requ
 @pytest.fixture
 def pool_gateway(platform, tmp_path):
     gateway = gateway_proc("gateway-pool", tmp_path, platform.router.address, platform.conversations.address,
-                           f"sqlite:///{tmp_path / 'gateway.db'}", overload__max_in_flight_per_worker="1",
+                           f"sqlite:///{tmp_path / 'gateway.db'}", overload__follow_pool_load="false",
+                           overload__max_in_flight_per_worker="1",
                            overload__min_in_flight_per_model="1", overload__max_in_flight_per_model="8",
                            overload__max_queued_per_model="0", overload__workers_poll_s="0.2")
     start_all([gateway])

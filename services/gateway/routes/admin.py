@@ -1,8 +1,10 @@
-"""Admin API behind the admin bearer token: organizations, their keys (the secret is shown once,
-only its hash is kept), revocation, usage per key and model, and the router's workers."""
+"""Admin API behind the admin bearer token: organizations (with their fair-share weight), their
+keys (the secret is shown once, only its hash is kept; each with a priority class), revocation,
+usage per key and model, and the router's workers."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 
 from aiohttp import web
@@ -13,8 +15,10 @@ from services.gateway.auth import hash_key, hint_of, new_secret
 from services.gateway.errors import ApiError, invalid
 from services.gateway.routes import read_json
 from services.gateway.store import ApiKey, Organization
+from services.gateway.store.base import PRIORITY_CLASSES
 
 MAX_LIMIT = 1 << 40
+MAX_WEIGHT = 1000.0   # the worker's bound too (tenant_weight)
 
 
 def org_object(org: Organization) -> dict:
@@ -60,6 +64,25 @@ def _limit(body: dict, name: str) -> int | None:
     return value
 
 
+def _weight(body: dict) -> float | None:
+    value = body.get("weight")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_WEIGHT:
+        raise invalid(f"weight must be a number in (0, {MAX_WEIGHT:g}] (1 = an equal share)", "weight",
+                      "invalid_value")
+    return float(value)
+
+
+def _priority_class(body: dict) -> str:
+    value = body.get("priority_class", "interactive")
+    if value not in PRIORITY_CLASSES:
+        raise invalid(f"priority_class must be one of {sorted(PRIORITY_CLASSES)}", "priority_class",
+                      "invalid_value")
+    return value
+
+
 async def _organization(gw: Gateway, org_id: str) -> Organization:
     org = await gw.store.get_organization(org_id)
     if org is None:
@@ -69,10 +92,23 @@ async def _organization(gw: Gateway, org_id: str) -> Organization:
 
 async def create_organization(request: web.Request) -> web.Response:
     gw = _admin(request)
-    body = await _object_body(request, {"name", "rpm_limit", "tpm_limit"})
+    body = await _object_body(request, {"name", "rpm_limit", "tpm_limit", "weight"})
     org = await gw.store.create_organization(_name(body), _limit(body, "rpm_limit") or 0,
-                                             _limit(body, "tpm_limit") or 0)
+                                             _limit(body, "tpm_limit") or 0, _weight(body) or 1.0)
     return web.json_response(org_object(org), status=201)
+
+
+async def update_organization(request: web.Request) -> web.Response:
+    """PATCH {"weight": w}: the organization's share of a contended model (its keys' lookups, cached
+    for auth.cache_ttl_s, see it after that)."""
+    gw = _admin(request)
+    org = await _organization(gw, request.match_info["id"])
+    body = await _object_body(request, {"weight"})
+    weight = _weight(body)
+    if weight is None:
+        raise invalid("weight is required", "weight", "missing_required_parameter")
+    await gw.store.set_organization_weight(org.id, weight)
+    return web.json_response(org_object(await _organization(gw, org.id)))
 
 
 async def list_organizations(request: web.Request) -> web.Response:
@@ -90,10 +126,10 @@ async def get_organization(request: web.Request) -> web.Response:
 async def create_key(request: web.Request) -> web.Response:
     gw = _admin(request)
     org = await _organization(gw, request.match_info["id"])
-    body = await _object_body(request, {"name", "rpm_limit", "tpm_limit"})
+    body = await _object_body(request, {"name", "rpm_limit", "tpm_limit", "priority_class"})
     secret = new_secret()
     key = await gw.store.create_key(org.id, _name(body), hash_key(secret), hint_of(secret),
-                                    _limit(body, "rpm_limit"), _limit(body, "tpm_limit"))
+                                    _limit(body, "rpm_limit"), _limit(body, "tpm_limit"), _priority_class(body))
     return web.json_response({**key_object(key), "key": secret}, status=201)
 
 
@@ -136,6 +172,7 @@ def register(app: web.Application) -> None:
     r.add_post("/admin/v1/organizations", create_organization)
     r.add_get("/admin/v1/organizations", list_organizations)
     r.add_get("/admin/v1/organizations/{id}", get_organization)
+    r.add_patch("/admin/v1/organizations/{id}", update_organization)
     r.add_post("/admin/v1/organizations/{id}/keys", create_key)
     r.add_get("/admin/v1/organizations/{id}/keys", list_keys)
     r.add_get("/admin/v1/organizations/{id}/usage", usage)

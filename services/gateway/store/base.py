@@ -29,6 +29,10 @@ class Organization:
     rpm_limit: int        # 0 = unlimited
     tpm_limit: int
     created_at_ms: int
+    weight: float = 1.0   # its share of a contended model against other organizations'
+
+
+PRIORITY_CLASSES = {"interactive": 0, "batch": 1}   # a key's class -> priority (lower goes first)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,11 @@ class ApiKey:
     tpm_limit: int | None
     created_at_ms: int
     revoked_at_ms: int | None = None
+    priority_class: str = "interactive"   # one of PRIORITY_CLASSES
+
+    @property
+    def priority(self) -> int:
+        return PRIORITY_CLASSES.get(self.priority_class, 0)
 
 
 @dataclass(frozen=True)
@@ -94,12 +103,17 @@ class Store:
         await self.db.close()
 
     # Organizations
-    async def create_organization(self, name: str, rpm_limit: int = 0, tpm_limit: int = 0) -> Organization:
-        org = Organization(new_id("org"), name, rpm_limit, tpm_limit, now_ms())
+    async def create_organization(self, name: str, rpm_limit: int = 0, tpm_limit: int = 0,
+                                  weight: float = 1.0) -> Organization:
+        org = Organization(new_id("org"), name, rpm_limit, tpm_limit, now_ms(), weight)
         await self.db.execute(
-            "INSERT INTO organizations (id, name, rpm_limit, tpm_limit, created_at_ms) VALUES (?, ?, ?, ?, ?)",
-            org.id, org.name, org.rpm_limit, org.tpm_limit, org.created_at_ms)
+            "INSERT INTO organizations (id, name, rpm_limit, tpm_limit, created_at_ms, weight) VALUES (?, ?, ?, ?, ?, ?)",
+            org.id, org.name, org.rpm_limit, org.tpm_limit, org.created_at_ms, org.weight)
         return org
+
+    async def set_organization_weight(self, org_id: str, weight: float) -> bool:
+        """False when no such organization."""
+        return await self.db.execute("UPDATE organizations SET weight = ? WHERE id = ?", weight, org_id) > 0
 
     async def get_organization(self, org_id: str) -> Organization | None:
         rows = await self.db.fetch("SELECT * FROM organizations WHERE id = ?", org_id)
@@ -115,13 +129,15 @@ class Store:
 
     # Keys
     async def create_key(self, org_id: str, name: str, key_hash: str, hint: str,
-                         rpm_limit: int | None = None, tpm_limit: int | None = None) -> ApiKey:
-        key = ApiKey(new_id("key"), org_id, name, key_hash, hint, rpm_limit, tpm_limit, now_ms())
+                         rpm_limit: int | None = None, tpm_limit: int | None = None,
+                         priority_class: str = "interactive") -> ApiKey:
+        key = ApiKey(new_id("key"), org_id, name, key_hash, hint, rpm_limit, tpm_limit, now_ms(),
+                     priority_class=priority_class)
         await self.db.execute(
-            "INSERT INTO api_keys (id, organization_id, name, key_hash, hint, rpm_limit, tpm_limit, created_at_ms)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO api_keys (id, organization_id, name, key_hash, hint, rpm_limit, tpm_limit, created_at_ms,"
+            " priority_class) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             key.id, key.organization_id, key.name, key.key_hash, key.hint, key.rpm_limit, key.tpm_limit,
-            key.created_at_ms)
+            key.created_at_ms, key.priority_class)
         return key
 
     async def find_key(self, key_hash: str) -> ApiKey | None:

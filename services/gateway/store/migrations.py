@@ -39,6 +39,10 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             created_at_ms BIGINT NOT NULL)""",
         "CREATE INDEX usage_records_org_time ON usage_records (organization_id, created_at_ms)",
     ]),
+    (2, [   # fair shares: an organization's weight, a key's priority class
+        "ALTER TABLE organizations ADD COLUMN weight DOUBLE PRECISION NOT NULL DEFAULT 1",
+        "ALTER TABLE api_keys ADD COLUMN priority_class TEXT NOT NULL DEFAULT 'interactive'",
+    ]),
 ]
 
 
