@@ -191,3 +191,15 @@ def test_bad_arguments_raise_clear_errors(change, match, backend):
         args[name] = value(args[name]) if callable(value) else value
     with pytest.raises(ValueError, match=match):
         backend(**args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts,top_k", [(e, k) for e in (4, 8, 16, 32, 64) for k in (1, 2, 4, 8) if k <= e])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_triton_sweep_of_experts_and_top_k(experts, top_k, renormalize):
+    for tokens, skew in ((1, 0.0), (17, 0.0), (40, 1.0)):
+        x, logits, w_gate_up, w_down = make_layer(tokens, 32, 16, experts, torch.float16,
+                                                  seed=experts * top_k + tokens, skew=skew)
+        out = TritonFusedMoE()(x, logits, w_gate_up, w_down, top_k, renormalize)
+        expected = TorchFusedMoE()(*(t.float() for t in (x, logits, w_gate_up, w_down)), top_k, renormalize)
+        torch.testing.assert_close(out.float(), expected, atol=5e-3, rtol=5e-3)

@@ -72,3 +72,18 @@ def test_bad_window_raises(window):
     batch = make_batch([(5, 1)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16)
     with pytest.raises(ValueError, match="sliding window"):
         paged_attention(*_args(batch), 0.125, window=window)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 127, 128])
+@pytest.mark.parametrize("tile_n", [16, 64])
+def test_window_sweep_on_and_off_block_and_tile_edges(window, tile_n):
+    batch = make_batch(MIXED + CHUNKS, num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+                       dtype=torch.float32, seed=window + tile_n)
+    poison_blocks_before_window(batch, window)
+    out = paged_attention(*_args(batch), 0.125, out=poisoned_like(batch.query), tile_n=tile_n,
+                          window=window)
+    assert_matches_reference(out, batch, 0.125, window)
+    split = split_kv_attention(*_args(batch), 0.125, 3, out=poisoned_like(batch.query),
+                               tile_n=tile_n, window=window)
+    assert_matches_reference(split, batch, 0.125, window)
