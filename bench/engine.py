@@ -10,14 +10,18 @@
    (and through llama-cpp-python's OpenAI server on the same GGUF when that package is installed).
 4. The product card's simulation: static against continuous batching on one length
    distribution, saved as docs/perf/batching.png.
+5. Constrained decoding: decode tokens/s of json_schema requests against unconstrained ones on
+   the same prompts and lengths at batch 1 and 16 (target >= 0.9x), and the compile time of
+   typical schemas (the grammar cache's miss cost).
 
-Usage: python -m bench.engine [--quick] [--skip-hf] [--skip-grpc]
+Usage: python -m bench.engine [--quick] [--skip-hf] [--skip-grpc] [--constrained-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -30,7 +34,7 @@ import torch
 from bench.timing import TokenTimeline, percentile
 from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.engine.build import build_engine
-from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.sampling_params import Constraint, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 # Prompts are cut from this text at random offsets: real words, so tokenization is realistic.
@@ -245,14 +249,83 @@ def batching_simulation(out_png: Path, seed: int = 0) -> dict:
     return result
 
 
+# A list that cannot close within the measured lengths, so both sides decode the same number of tokens.
+LONG_LIST_SCHEMA = {"type": "object", "required": ["items"], "additionalProperties": False, "properties": {
+    "items": {"type": "array", "minItems": 100, "items": {
+        "type": "object", "required": ["fruit", "qty"], "additionalProperties": False,
+        "properties": {"fruit": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"}}}}}}
+TYPICAL_SCHEMAS = {
+    "person (3 fields)": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                           "email": {"type": "string", "format": "email"}},
+                          "required": ["name", "age"]},
+    "tool call (nested, enum)": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"const": "get_weather"}, "arguments": {"type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
+    "order (arrays, $defs, anyOf)": {"type": "object", "$defs": {"item": {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}, "qty": {"type": "integer", "minimum": 1},
+        "price": {"type": "number"}}, "required": ["sku", "qty"]}}, "properties": {
+        "id": {"type": "string"}, "items": {"type": "array", "items": {"$ref": "#/$defs/item"}},
+        "status": {"enum": ["new", "paid", "shipped"]}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+        "required": ["id", "items", "status"]},
+    "40 properties": {"type": "object", "properties": {f"field_{i}": {"type": ["string", "integer", "boolean"][i % 3]}
+                                                       for i in range(40)}, "required": [f"field_{i}" for i in range(40)]},
+}
+
+
+def constrained_decode_tps(engine, tokenizer, batch: int, tokens: int, constraint: Constraint | None) -> float:
+    """Decode tokens/s of `batch` greedy requests of `tokens` tokens each (prefill not timed)."""
+    for i in range(batch):
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content":
+                                                                f"List fruits {TOPICS[i % len(TOPICS)]} would like, as JSON."}]))
+        engine.add_request(f"c{i}", ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                                                        constraint=constraint))
+    engine.step()                                     # prefill + first tokens
+    t0, produced = time.perf_counter(), 0
+    while engine.has_work():
+        produced += sum(len(o.token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - t0)
+
+
+def report_constrained(quick: bool) -> None:
+    from services.worker.engine.structured.compiler import GrammarCompiler
+    built = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=1024, max_num_batched_tokens=1024))
+    engine, tokenizer = built.engine, built.loaded.tokenizer
+    tokens = 24 if quick else 96
+    constraint = Constraint("json_schema", json.dumps(LONG_LIST_SCHEMA))
+    for batch in (1, 16):
+        # Alternating rounds, best of each: the two sides see the same machine noise.
+        free = bound = 0.0
+        for _ in range(1 if quick else 3):
+            free = max(free, constrained_decode_tps(engine, tokenizer, batch, tokens, None))
+            bound = max(bound, constrained_decode_tps(engine, tokenizer, batch, tokens, constraint))
+        print(f"constrained   batch {batch:2d}: json_schema {bound:.1f} tok/s vs unconstrained {free:.1f} tok/s = "
+              f"{bound / free:.2f}x (target >= 0.9x)")
+    compiler = GrammarCompiler(tokenizer, built.loaded.config.vocab_size)
+    t0 = time.perf_counter()
+    compiler.compile(Constraint("json_object"))
+    print(f"compile       tokenizer tables (once per worker) + json_object {1e3 * (time.perf_counter() - t0):.0f} ms")
+    for name, schema in TYPICAL_SCHEMAS.items():
+        c = Constraint("json_schema", json.dumps(schema))
+        t0 = time.perf_counter()
+        compiler.compile(c)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiler.matcher(c)
+        print(f"compile       {name}: {1e3 * cold:.2f} ms cold, {1e6 * (time.perf_counter() - t0):.0f} us a matcher from the cache")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-grpc", action="store_true")
     parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--constrained-only", action="store_true", help="only section 5")
     args = parser.parse_args()
     n = 8 if args.quick else args.requests
+    if args.constrained_only:
+        report_constrained(args.quick)
+        return
 
     built = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=2048, max_num_batched_tokens=1024,
                                                             max_num_seqs=64))
@@ -305,6 +378,7 @@ def main() -> None:
             ratios = ", ".join(f"{label} {g['tps'] / peer['tps']:.2f}x" for label, g in served.items())
             print(f"llama-cpp     {peer['tps']:.1f} tok/s aggregate (the GGUF's own 4-bit weights), TTFT p95 "
                   f"{peer['ttft_p95']:.2f}s; ratio {ratios} (target >= 2x)")
+    report_constrained(args.quick)
     sim = batching_simulation(REPO / "docs" / "perf" / "batching.png")
     print(f"simulation    static {sim['static_steps']} steps ({sim['static_util']*100:.0f}% slots useful) vs "
           f"continuous {sim['continuous_steps']} ({sim['continuous_util']*100:.0f}%); plot docs/perf/batching.png")
