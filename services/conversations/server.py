@@ -73,7 +73,8 @@ class ConversationsServicer(pb_grpc.ConversationsServicer):
     async def CreateConversation(self, request: pb.CreateConversationRequest) -> pb.Conversation:
         organization_id, title, model, metadata = self._validate.create(request)
         with self._timed("create"):
-            conversation = await self._store.create(organization_id, title, model, metadata)
+            conversation = await self._store.create(organization_id, title, model, metadata,
+                                                    self._validate.kind(request.kind))
         return _conversation_pb(conversation)
 
     @_rpc
@@ -89,7 +90,7 @@ class ConversationsServicer(pb_grpc.ConversationsServicer):
         organization_id, size, cursor = self._validate.page(request)
         with self._timed("list"):
             # One row more than the page tells whether another page follows, without an empty last page.
-            rows = await self._store.list(organization_id, size + 1, cursor)
+            rows = await self._store.list(organization_id, size + 1, cursor, self._validate.kind(request.kind))
         page = rows[:size]
         next_token = encode_page_token(Cursor(page[-1].updated_at_ms, page[-1].id)) if len(rows) > size else ""
         return pb.ListConversationsResponse(conversations=[_conversation_pb(c) for c in page],
@@ -122,7 +123,7 @@ def _conversation_pb(c: Conversation) -> pb.Conversation:
     return pb.Conversation(
         id=c.id, organization_id=c.organization_id, title=c.title, model=c.model,
         created_at_ms=c.created_at_ms, updated_at_ms=c.updated_at_ms, metadata=c.metadata,
-        message_count=c.message_count, messages=[_message_pb(m) for m in c.messages])
+        message_count=c.message_count, messages=[_message_pb(m) for m in c.messages], kind=c.kind)
 
 
 def _message_pb(m: Message) -> pb.StoredMessage:

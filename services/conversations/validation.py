@@ -12,7 +12,7 @@ from llmserve.v1 import conversations_pb2 as pb
 
 from .config import LimitsConfig
 from .pagination import decode_page_token
-from .store import ROLES, ConversationChange, Cursor, NewMessage
+from .store import KINDS, ROLES, ConversationChange, Cursor, NewMessage
 
 
 class InvalidArgument(ValueError):
@@ -25,6 +25,11 @@ class RequestValidator:
 
     def organization(self, organization_id: str) -> str:
         return self._required_id("organization_id", organization_id)
+
+    def kind(self, kind: str) -> str:
+        if kind not in KINDS:
+            raise InvalidArgument(f"kind {kind[:32]!r} is not one of {', '.join(repr(k) for k in KINDS)}")
+        return kind
 
     def conversation_id(self, conversation_id: str) -> str:
         if not conversation_id:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ..config import StoreConfig
 from .base import (Conversation, ConversationChange, ConversationNotFound, ConversationStore, Cursor,
-                   Message, NewMessage, ROLES)
+                   Message, NewMessage, ROLES, KINDS)
 
 __all__ = ["Conversation", "ConversationChange", "ConversationNotFound", "ConversationStore", "Cursor", "Message",
-           "NewMessage", "ROLES", "open_store"]
+           "NewMessage", "ROLES", "KINDS", "open_store"]
 
 
 async def open_store(config: StoreConfig) -> ConversationStore:

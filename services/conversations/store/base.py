@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 
 ROLES = ("system", "user", "assistant", "tool")
+KINDS = ("", "response")   # a chat conversation, a stored /v1/responses response
 
 
 class ConversationNotFound(LookupError):
@@ -50,6 +51,7 @@ class Conversation:
     updated_at_ms: int
     message_count: int
     messages: list[Message] = field(default_factory=list)   # filled by get() only
+    kind: str = ""                                           # "" (chat) or "response"
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Cursor:
 class ConversationStore(abc.ABC):
     @abc.abstractmethod
     async def create(self, organization_id: str, title: str, model: str,
-                     metadata: dict[str, str]) -> Conversation: ...
+                     metadata: dict[str, str], kind: str = "") -> Conversation: ...
 
     @abc.abstractmethod
     async def get(self, organization_id: str, conversation_id: str) -> Conversation:
@@ -83,8 +85,8 @@ class ConversationStore(abc.ABC):
 
     @abc.abstractmethod
     async def list(self, organization_id: str, limit: int,
-                   after: Cursor | None = None) -> list[Conversation]:
-        """Up to `limit` conversations newest (updated_at_ms, id) first, without messages."""
+                   after: Cursor | None = None, kind: str = "") -> list[Conversation]:
+        """Up to `limit` conversations of `kind` newest (updated_at_ms, id) first, without messages."""
 
     @abc.abstractmethod
     async def append(self, organization_id: str, conversation_id: str, messages: list[NewMessage],

@@ -19,7 +19,7 @@ from .base import (Conversation, ConversationChange, ConversationNotFound, Conve
 Row = Mapping[str, Any]
 
 _CONVERSATION_COLUMNS = ("id, organization_id, title, model, metadata, created_at_ms, updated_at_ms, "
-                         "message_count")
+                         "message_count, kind")
 _MESSAGE_COLUMNS = "id, seq, role, content, partial, model, created_at_ms"
 # Every table is prefixed so the service can share a database with others (the gateway has its
 # own schema_migrations).
@@ -44,13 +44,13 @@ class SqlStore(ConversationStore):
         transactions take the database lock at BEGIN, Postgres' lock the row (lock_for_update)."""
 
     async def create(self, organization_id: str, title: str, model: str,
-                     metadata: dict[str, str]) -> Conversation:
+                     metadata: dict[str, str], kind: str = "") -> Conversation:
         now = now_ms()
-        conversation = Conversation(new_id(), organization_id, title, model, dict(metadata), now, now, 0)
+        conversation = Conversation(new_id(), organization_id, title, model, dict(metadata), now, now, 0, kind=kind)
         async with self.transaction(write=True) as tx:
             await tx.execute(
-                f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
-                conversation.id, organization_id, title, model, json.dumps(metadata), now, now)
+                f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                conversation.id, organization_id, title, model, json.dumps(metadata), now, now, kind)
         return conversation
 
     async def get(self, organization_id: str, conversation_id: str) -> Conversation:
@@ -66,8 +66,8 @@ class SqlStore(ConversationStore):
         return _conversation(rows[0], [_message(m) for m in messages])
 
     async def list(self, organization_id: str, limit: int,
-                   after: Cursor | None = None) -> list[Conversation]:
-        where, args = "organization_id = ?", [organization_id]
+                   after: Cursor | None = None, kind: str = "") -> list[Conversation]:
+        where, args = "organization_id = ? AND kind = ?", [organization_id, kind]
         if after is not None:
             where += " AND (updated_at_ms, id) < (?, ?)"
             args += [after.updated_at_ms, after.id]
@@ -173,7 +173,8 @@ def _conversation(row: Row, messages: list[Message] | None = None) -> Conversati
     return Conversation(
         id=str(row["id"]), organization_id=row["organization_id"], title=row["title"],
         model=row["model"], metadata=json.loads(row["metadata"]), created_at_ms=row["created_at_ms"],
-        updated_at_ms=row["updated_at_ms"], message_count=row["message_count"], messages=messages or [])
+        updated_at_ms=row["updated_at_ms"], message_count=row["message_count"], messages=messages or [],
+        kind=row["kind"])
 
 
 def _message(row: Row) -> Message:
