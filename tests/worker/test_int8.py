@@ -10,7 +10,7 @@ import torch
 
 from services.worker.attention.torch_paged import TorchPagedAttention
 from services.worker.model.int8_linear import Int8Linear, quantize_int8
-from services.worker.model.llama import Linear
+from services.worker.model.layers import Linear
 from services.worker.model.loader import load_model
 from tests.worker.test_engine import CHAT_PROMPTS, LONG_TEXT, chat_ids, greedy, make_engine, run
 

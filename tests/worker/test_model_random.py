@@ -55,4 +55,4 @@ def test_llama31_rope_scaling_slows_low_frequencies_only():
     torch.testing.assert_close(angle_scaled[-16:], angle_plain[-16:] / 8)    # long ones slowed by factor
     assert _load("random:llama-3.1-8b", device=torch.device("meta")).model.rotary.cos.shape == (131072, 64)
     with pytest.raises(ValueError, match="unsupported rope_scaling"):
-        RotaryEmbedding(128, 4, 500000.0, {"rope_type": "yarn", "factor": 4.0}, CPU)
+        RotaryEmbedding(128, 4, 500000.0, {"rope_type": "mrope", "factor": 4.0}, CPU)

@@ -12,10 +12,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.worker.model.checkpoint import Checkpoint
-from services.worker.model.config import ModelConfig
+from services.worker.model.hf_config import model_config_from_hf
 from services.worker.model.tokenizer import Tokenizer
-
-_SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
 def load_hf_folder(folder: str | Path) -> Checkpoint:
@@ -26,8 +24,11 @@ def load_hf_folder(folder: str | Path) -> Checkpoint:
     tokenizer_config = _read_json(folder / "tokenizer_config.json")
     generation_config = _read_json(folder / "generation_config.json")
     tokenizer = _tokenizer(folder, hf, tokenizer_config, generation_config)
-    config = _model_config(folder.name, hf, tokenizer)
-    return Checkpoint(config=config, tokenizer=tokenizer, weights=_weights(_safetensors_files(folder)))
+    try:
+        config = model_config_from_hf(folder.name, hf, tokenizer.bos_token_id, tokenizer.eos_token_ids)
+    except ValueError as e:
+        raise ValueError(f"{folder / 'config.json'}: {e}") from e
+    return Checkpoint(config=config, tokenizer=tokenizer, weights=SafetensorsWeights(folder))
 
 
 def _read_json(path: Path, required: bool = False) -> dict:
@@ -42,51 +43,6 @@ def _read_json(path: Path, required: bool = False) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"corrupt {path.name} ({path}): expected a JSON object")
     return data
-
-
-def _model_config(name: str, hf: dict, tokenizer: Tokenizer) -> ModelConfig:
-    model_type = hf.get("model_type")
-    if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported (supported: {_SUPPORTED_MODEL_TYPES})")
-    if hf.get("mlp_bias"):
-        raise ValueError("config.json: mlp_bias is not supported")
-
-    def require(key: str):
-        if key not in hf:
-            raise ValueError(f"config.json lacks {key!r}")
-        return hf[key]
-
-    num_heads = require("num_attention_heads")
-    hidden_size = require("hidden_size")
-    attention_bias = bool(hf.get("attention_bias", False))
-    try:
-        return ModelConfig(
-            name=name,
-            vocab_size=require("vocab_size"),
-            hidden_size=hidden_size,
-            intermediate_size=require("intermediate_size"),
-            num_layers=require("num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hidden_size // num_heads,
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_context_length=require("max_position_embeddings"),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_ids=tokenizer.eos_token_ids,
-            rope_scaling=_rope_scaling(hf.get("rope_scaling")),
-            qkv_bias=model_type == "qwen2" or attention_bias,   # Qwen2 always has q/k/v biases
-            o_proj_bias=model_type == "llama" and attention_bias,
-        )
-    except (TypeError, ZeroDivisionError) as e:
-        raise ValueError(f"config.json has a value of the wrong type: {e}") from e
-
-
-def _rope_scaling(scaling: dict | None) -> dict | None:
-    if not scaling or scaling.get("rope_type", scaling.get("type")) == "default":
-        return None
-    return scaling
 
 
 def _tokenizer(folder: Path, hf: dict, tokenizer_config: dict, generation_config: dict) -> Tokenizer:
@@ -124,6 +80,27 @@ def _chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+class SafetensorsWeights:
+    """The folder's tensors, read lazily file by file (sharded or not). `location` names the file
+    being read while iterating, and the folder before and after, for errors about a tensor."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.files = _safetensors_files(folder)
+        self.location = str(folder)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
+            self.location = str(file)
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except (OSError, SafetensorError) as e:
+                raise ValueError(f"corrupt weights file {file}: {e}") from e
+        self.location = str(self.folder)
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -137,13 +114,3 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if missing:
         raise ValueError(f"model folder {str(folder)!r} lacks weight shards {missing}")
     return files
-
-
-def _weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (OSError, SafetensorError) as e:
-            raise ValueError(f"corrupt weights file {file}: {e}") from e

@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import nn
 
-from services.worker.model.llama import Linear
+from services.worker.model.layers import Linear
 
 # FBGEMM multiplies uint8 activations by int8 weights in int16 pairs on CPUs without VNNI;
 # 7-bit activations keep those sums from saturating (what PyTorch's own dynamic quantization

@@ -16,7 +16,8 @@ from services.worker.attention.backend import AttentionBackend
 from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.worker.model.hf_loader import load_hf_folder
-from services.worker.model.llama import LlamaModel
+from services.worker.model.decoder import CausalLM
+from services.worker.model.families import build_model
 from services.worker.model.random_weights import init_random, random_config
 from services.worker.model.tokenizer import Tokenizer
 
@@ -26,7 +27,7 @@ RANDOM_PREFIX = "random:"
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaModel
+    model: CausalLM
     tokenizer: Tokenizer
 
 
@@ -78,11 +79,14 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, attention:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     checkpoint = read_checkpoint(source)
-    model = LlamaModel(checkpoint.config, attention, dtype, torch.device(device))
+    model = build_model(checkpoint.config, attention, dtype, torch.device(device))
     if checkpoint.weights is None:
         init_random(model, seed)
     else:
-        model.load_weights(checkpoint.weights)
+        try:
+            model.load_weights(checkpoint.weights)
+        except ValueError as e:   # name the file (or folder) the tensor came from
+            raise ValueError(f"{getattr(checkpoint.weights, 'location', source)}: {e}") from e
     model.eval()
     if quantization == "int8":
         from services.worker.model.int8_linear import quantize_int8

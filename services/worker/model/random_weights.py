@@ -12,7 +12,8 @@ from dataclasses import replace
 import torch
 
 from services.worker.model.config import ModelConfig
-from services.worker.model.llama import LlamaModel
+from services.worker.model.decoder import CausalLM
+from services.worker.model.layers import RMSNorm
 from services.worker.model.shapes import NAMED_SHAPES
 
 INIT_STD = 0.02   # the usual Llama initializer_range
@@ -29,16 +30,17 @@ def random_config(shape: str, bos_token_id: int | None, eos_token_ids: list[int]
 
 
 @torch.no_grad()
-def init_random(model: LlamaModel, seed: int) -> None:
-    """Norm weights 1, biases 0, everything else N(0, INIT_STD), in named_parameters order; a tied
-    head is then set to the embedding."""
+def init_random(model: CausalLM, seed: int) -> None:
+    """Norm weights at their identity (1, or 0 for Gemma's 1 + weight), biases 0, everything else
+    (experts included) N(0, INIT_STD), in named_parameters order; a tied head is then set to the embedding."""
     params = list(model.named_parameters())
     if not params or params[0][1].device.type == "meta":
         return
+    norms = {f"{name}.weight": m.unit_weight for name, m in model.named_modules() if isinstance(m, RMSNorm)}
     generator = torch.Generator(device=params[0][1].device).manual_seed(seed)
     for name, param in params:
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+        if name in norms:
+            param.fill_(norms[name])
         elif name.endswith(".bias"):
             param.zero_()
         else:

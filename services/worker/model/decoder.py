@@ -1,0 +1,206 @@
+"""A decoder-only language model over a paged KV cache: embedding, decoder layers, final norm, head.
+
+A family module subclasses CausalLM to say what differs: its decoder layer (`make_layer`), norm,
+embedding scale and `WEIGHT_RULES`, how Hugging Face tensor names map onto its (fused)
+parameters. Whatever the file format, weights arrive under Hugging Face names
+(model.layers.N.self_attn.q_proj.weight, ...); a name no rule matches is our own parameter's
+name already (minus "model."; a Linear's `weight` is our transposed `weight_t`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.worker.attention.backend import AttentionBackend
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.model.config import ModelConfig
+from services.worker.model.layers import Embedding, KVCache, Linear, RMSNorm
+from services.worker.model.rotary import RotaryEmbedding
+
+# Tensors some checkpoints carry that the model recomputes or does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """Tensors named `source` + rest fill rows `shard` of our `target` + rest.
+
+    Names have no "model." prefix; {L} stands for a layer and {E} for an expert index. shard is
+    "q", "k" or "v" (of a fused QKV), "gate" or "up" (the halves of a fused gate/up), or "" (all).
+    """
+    source: str
+    target: str
+    shard: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_source_re", _template_re(self.source))
+        object.__setattr__(self, "_target_re", _template_re(self.target))
+
+
+def _template_re(template: str) -> re.Pattern:
+    pattern = re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    return re.compile(pattern + r"(?P<rest>.*)")
+
+
+ATTENTION_RULES = (
+    WeightRule("layers.{L}.self_attn.q_proj.", "layers.{L}.self_attn.qkv_proj.", "q"),
+    WeightRule("layers.{L}.self_attn.k_proj.", "layers.{L}.self_attn.qkv_proj.", "k"),
+    WeightRule("layers.{L}.self_attn.v_proj.", "layers.{L}.self_attn.qkv_proj.", "v"),
+)
+MLP_RULES = (
+    WeightRule("layers.{L}.mlp.gate_proj.", "layers.{L}.mlp.gate_up_proj.", "gate"),
+    WeightRule("layers.{L}.mlp.up_proj.", "layers.{L}.mlp.gate_up_proj.", "up"),
+)
+
+
+class CausalLM(nn.Module):
+    """Parameters are allocated uninitialised on `device`; fill them with load_weights (or random init)."""
+
+    norm_class: type[RMSNorm] = RMSNorm
+    WEIGHT_RULES: tuple[WeightRule, ...] = ATTENTION_RULES + MLP_RULES
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        c = config
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_context_length, c.rope_theta, c.rope_scaling, device,
+                                      rotary_dim=c.rotary_dim)
+        # Sliding layers with a rotary base of their own (Gemma 3) read this one.
+        self.sliding_rotary = None if c.sliding_rope_theta is None else RotaryEmbedding(
+            c.head_dim, c.max_context_length, c.sliding_rope_theta, None, device, rotary_dim=c.rotary_dim)
+        self._sliding_rotary_layers = [self.sliding_rotary is not None and c.is_sliding(i)
+                                       for i in range(c.num_layers)]
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(i, attention, dtype, device) for i in range(c.num_layers))
+        self.norm = self.norm_class(c.hidden_size, c.rms_norm_eps, dtype, device)
+        # Tied or not, the head is its own transposed matrix (a tied one is filled from the embedding):
+        # the lookup wants the embedding's rows, the product its columns.
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, False, dtype, device)
+
+    def make_layer(self, layer: int, attention: AttentionBackend, dtype, device) -> nn.Module:
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """-> [T, hidden], after the final norm: pick the rows you need and call compute_logits."""
+        x = self.embed(input_ids)
+        rotary = self.rotary(positions, x.dtype)
+        sliding_rotary = self.sliding_rotary(positions, x.dtype) if self.sliding_rotary is not None else None
+        for layer, kv_cache, own in zip(self.layers, kv_caches, self._sliding_rotary_layers, strict=True):
+            x = layer(x, sliding_rotary if own else rotary, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: everything but the embedding table (a row of it).
+
+        Counts quantized linears (which hold packed weights, not parameters) by their own report.
+        An MoE layer counts all its experts (a batch of decodes reads most of them).
+        """
+        params = sum(p.numel() * p.element_size() for name, p in self.named_parameters()
+                     if not name.startswith("embed_tokens."))
+        packed = sum(m.weight_bytes() for m in self.modules() if hasattr(m, "weight_bytes"))
+        return params + packed
+
+    # --- weights ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be filled.
+
+        Raises ValueError naming the tensor on an unknown name or a wrong shape, and the missing
+        tensors when a parameter is left (partly) unfilled.
+        """
+        params = dict(self.named_parameters())
+        covered = {name: torch.zeros(_rows_shape(_hf_view(name, p)), dtype=torch.bool) for name, p in params.items()}
+        tied = self.config.tie_word_embeddings
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                continue  # some tied checkpoints store the head anyway: it is the embedding
+            targets = [self._place(hf_name, params)]
+            if tied and hf_name == "model.embed_tokens.weight":
+                targets.append(("lm_head.weight_t", ()))
+            for name, index in targets:
+                target = _hf_view(name, params[name])[index]
+                if target.shape != tensor.shape:
+                    raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(target.shape)} (from config.json)")
+                target.copy_(tensor)
+                covered[name][index] = True
+        missing = [hint for name, mask in covered.items() if not mask.all() for hint in self._missing(name, mask)]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+
+    def _place(self, hf_name: str, params: dict) -> tuple[str, tuple]:
+        """Hugging Face tensor name -> (our parameter name, its index in the parameter's HF view)."""
+        name = hf_name.removeprefix("model.")
+        for rule in self.WEIGHT_RULES:
+            match = rule._source_re.fullmatch(name)
+            if match:
+                groups = match.groupdict()
+                name = rule.target.format(L=groups.get("L"), E=groups.get("E")) + groups["rest"]
+                index = (int(groups["E"]),) if groups.get("E") is not None else ()
+                return self._resolve(hf_name, name, params, index + (self._shard(rule.shard, name, params),))
+        return self._resolve(hf_name, name, params, ())
+
+    def _resolve(self, hf_name: str, name: str, params: dict, index: tuple) -> tuple[str, tuple]:
+        if name + "_t" in params:      # a Linear weight, stored [in, out]
+            name += "_t"
+        if name not in params:
+            raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+        return name, index
+
+    def _shard(self, shard: str, name: str, params: dict) -> slice:
+        c = self.config
+        if shard in ("q", "k", "v"):
+            start = {"q": 0, "k": c.q_size, "v": c.q_size + c.kv_size}[shard]
+            return slice(start, start + (c.q_size if shard == "q" else c.kv_size))
+        if shard in ("gate", "up"):
+            target = params.get(name + "_t", params.get(name))
+            half = (target.shape[-1] if name + "_t" in params else target.shape[-2]) // 2
+            return slice(0, half) if shard == "gate" else slice(half, 2 * half)
+        return slice(None)
+
+    def _missing(self, name: str, mask: torch.Tensor) -> list[str]:
+        """The Hugging Face names of the tensors that would fill the unfilled part of parameter `name`."""
+        params = dict(self.named_parameters())
+        hf_rest = name.removesuffix("_t")
+        hints = []
+        for rule in self.WEIGHT_RULES:
+            match = rule._target_re.fullmatch(hf_rest)
+            if not match:
+                continue
+            groups = match.groupdict()
+            rows = self._shard(rule.shard, name.removesuffix("_t"), params)
+            experts = range(mask.shape[0]) if "{E}" in rule.source else [None]
+            for e in experts:
+                if not mask[(e, rows) if e is not None else (rows,)].all():
+                    hints.append("model." + rule.source.format(L=groups.get("L"), E=e) + groups["rest"])
+        if not hints:
+            hints.append(("" if name.startswith("lm_head") else "model.") + hf_rest)
+        return hints
+
+
+def _hf_view(name: str, param: torch.Tensor) -> torch.Tensor:
+    """The parameter as Hugging Face lays it out ([out, in] for a Linear weight)."""
+    return param.data.t() if name.endswith("weight_t") else param.data
+
+
+def _rows_shape(view: torch.Tensor) -> tuple[int, ...]:
+    """What the loader tracks as filled: rows of a matrix (and experts of a stack), elements of a vector."""
+    return tuple(view.shape[:-1]) if view.dim() >= 2 else tuple(view.shape)
