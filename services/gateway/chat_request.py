@@ -18,17 +18,19 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # Accepted and ignored: they change nothing about the answer.
 IGNORED = {"user", "metadata", "service_tier", "store", "safety_identifier", "reasoning_effort", "verbosity"}
 UNSUPPORTED = {"functions", "function_call", "modalities", "audio", "prediction", "web_search_options"}
-PARSED = {"max_completion_tokens", "stream_options", "response_format", "tools", "tool_choice",
-          "parallel_tool_calls", "logit_bias", "prompt_cache_key"}
+SAMPLING_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "n", "stop", "seed",
+                   "presence_penalty", "frequency_penalty", "logit_bias", "prompt_cache_key"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs",
+                                 "conversation_id", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # Content parts a text model cannot read: refused by name rather than dropped.
 NON_TEXT_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file",
                   "input_file": "file"}
 
 
 @dataclass
-class ChatRequest:
-    model: str
-    messages: list[tuple[str, str]]          # (role, text), roles normalised
+class SamplingRequest:
+    """The fields chat completions, completions and responses share."""
+    model: str = ""
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
@@ -41,22 +43,8 @@ class ChatRequest:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
-    conversation_id: str | None = None
-    chat: list[worker_pb2.ChatMessage] = field(default_factory=list)   # what the template renders
-    tools: ToolUse = field(default_factory=ToolUse)
-    output: OutputFormat = field(default_factory=OutputFormat)
     logit_bias: dict[int, float] = field(default_factory=dict)
     prompt_cache_key: str = ""
-
-    def chat_messages(self) -> list[worker_pb2.ChatMessage]:
-        return list(self.chat) or [worker_pb2.ChatMessage(role=role, content=text) for role, text in self.messages]
-
-    def constraint(self) -> worker_pb2.Constraint | None:
-        """A forced tool call (required, named) wins over response_format: its output is the call."""
-        return self.tools.constraint() or self.output.constraint
-
-    def constraint_param(self) -> str:
-        return "tools" if self.tools.constraint() is not None else self.output.param
 
     def sampling(self) -> worker_pb2.SamplingParams:
         params = worker_pb2.SamplingParams(
@@ -72,7 +60,26 @@ class ChatRequest:
         return params
 
 
-def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+@dataclass
+class ChatRequest(SamplingRequest):
+    messages: list[tuple[str, str]] = field(default_factory=list)   # (role, text), roles normalised
+    conversation_id: str | None = None
+    chat: list[worker_pb2.ChatMessage] = field(default_factory=list)   # what the template renders
+    tools: ToolUse = field(default_factory=ToolUse)
+    output: OutputFormat = field(default_factory=OutputFormat)
+
+    def chat_messages(self) -> list[worker_pb2.ChatMessage]:
+        return list(self.chat) or [worker_pb2.ChatMessage(role=role, content=text) for role, text in self.messages]
+
+    def constraint(self) -> worker_pb2.Constraint | None:
+        """A forced tool call (required, named) wins over response_format: its output is the call."""
+        return self.tools.constraint() or self.output.constraint
+
+    def constraint_param(self) -> str:
+        return "tools" if self.tools.constraint() is not None else self.output.param
+
+
+def number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return None
@@ -83,7 +90,7 @@ def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = Fals
     return float(value)
 
 
-def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+def integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -94,7 +101,7 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     return value
 
 
-def _boolean(body: dict, name: str) -> bool:
+def boolean(body: dict, name: str) -> bool:
     value = body.get(name)
     if value is None:
         return False
@@ -185,19 +192,8 @@ def parse_chat_messages(messages: Any, *, allow_empty: bool = False) -> list[wor
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object", None, "invalid_type")
-    for name, value in body.items():
-        if name in UNSUPPORTED and value not in (None, [], {}):
-            raise invalid(f"{name} is not supported by this server", name, "unsupported_parameter")
-        if name not in ChatRequest.__dataclass_fields__ and name not in IGNORED and name not in UNSUPPORTED \
-                and name not in PARSED:
-            raise invalid(f"unrecognized request argument: {name}", name, "unknown_parameter")
-
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model is required (a string)", "model",
-                      "missing_required_parameter" if model is None else "invalid_type")
+    check_fields(body, CHAT_FIELDS)
+    model = parse_model(body)
     conversation_id = body.get("conversation_id")
     if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id):
         raise invalid("conversation_id must be a non-empty string", "conversation_id", "invalid_type")
@@ -207,33 +203,63 @@ def parse_chat_request(body: Any) -> ChatRequest:
     req = ChatRequest(model=model, messages=[(m.role, m.content) for m in chat], conversation_id=conversation_id,
                       chat=chat)
 
-    req.stream = _boolean(body, "stream")
+    parse_sampling(body, req, ("max_completion_tokens", "max_tokens"))
+    req.logprobs = boolean(body, "logprobs")
+    top = integer(body, "top_logprobs", 0, 20)
+    if top is not None:
+        if not req.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        req.top_logprobs = top
+    req.output = parse_response_format(body.get("response_format"))
+    req.tools = parse_tools(body)
+    if body.get("store") not in (None, False):
+        raise invalid("store: true is not supported on chat completions (use /v1/responses)", "store",
+                      "unsupported_value")
+    return req
+
+
+def check_fields(body: Any, known: set[str], ignored: set[str] = IGNORED, unsupported: set[str] = UNSUPPORTED
+                 ) -> None:
+    """Refuses what the platform cannot honour by name, and names it when unknown."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_type")
+    for name, value in body.items():
+        if name in unsupported and value not in (None, [], {}):
+            raise invalid(f"{name} is not supported by this server", name, "unsupported_parameter")
+        if name not in known and name not in ignored and name not in unsupported:
+            raise invalid(f"unrecognized request argument: {name}", name, "unknown_parameter")
+
+
+def parse_model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model is required (a string)", "model",
+                      "missing_required_parameter" if model is None else "invalid_type")
+    return model
+
+
+def parse_sampling(body: dict, req: SamplingRequest, max_token_names: tuple[str, ...]) -> None:
+    """stream, stream_options, max tokens (the first of max_token_names given), temperature, top_p,
+    n, seed, penalties, stop, logit_bias and prompt_cache_key, into req."""
+    req.stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None:
         if not req.stream:
             raise invalid("stream_options is only allowed with stream: true", "stream_options", "invalid_value")
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
             raise invalid("stream_options supports only include_usage", "stream_options", "invalid_value")
-        req.include_usage = _boolean(options, "include_usage")
-
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = _integer(body, name, 1, 1 << 31)
+        req.include_usage = boolean(options, "include_usage")
+    for name in max_token_names:
+        value = integer(body, name, 1, 1 << 31)
         if value is not None:
             req.max_tokens = value
             break
-    req.temperature = _number(body, "temperature", 0, 2)
-    req.top_p = _number(body, "top_p", 0, 1, lo_open=True)
-    req.n = _integer(body, "n", 1, MAX_N) or 1
-    req.seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)
-    req.presence_penalty = _number(body, "presence_penalty", -2, 2) or 0.0
-    req.frequency_penalty = _number(body, "frequency_penalty", -2, 2) or 0.0
-    req.logprobs = _boolean(body, "logprobs")
-    top = _integer(body, "top_logprobs", 0, 20)
-    if top is not None:
-        if not req.logprobs:
-            raise invalid("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
-        req.top_logprobs = top
-
+    req.temperature = number(body, "temperature", 0, 2)
+    req.top_p = number(body, "top_p", 0, 1, lo_open=True)
+    req.n = integer(body, "n", 1, MAX_N) or 1
+    req.seed = integer(body, "seed", -(1 << 63), (1 << 63) - 1)
+    req.presence_penalty = number(body, "presence_penalty", -2, 2) or 0.0
+    req.frequency_penalty = number(body, "frequency_penalty", -2, 2) or 0.0
     stop = body.get("stop")
     if isinstance(stop, str):
         req.stop = [stop]
@@ -243,15 +269,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         req.stop = stop
     elif stop is not None:
         raise invalid("stop must be a string or an array of strings", "stop", "invalid_type")
-
-    req.output = parse_response_format(body.get("response_format"))
-    req.tools = parse_tools(body)
     req.logit_bias = parse_logit_bias(body.get("logit_bias"), 0)
     key = body.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
         raise invalid("prompt_cache_key must be a string", "prompt_cache_key", "invalid_type")
     req.prompt_cache_key = key or ""
-    if body.get("store") not in (None, False):
-        raise invalid("store: true is not supported on chat completions (use /v1/responses)", "store",
-                      "unsupported_value")
-    return req

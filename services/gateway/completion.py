@@ -62,8 +62,8 @@ class Choice:
 
 class Completion:
     def __init__(self, model: str, n: int, guards: list[Any], logprobs: bool, prompt_tokens_estimate: int,
-                 id_prefix: str = "chatcmpl-"):
-        self.id = new_completion_id(id_prefix)
+                 id_prefix: str = "chatcmpl-", completion_id: str = ""):
+        self.id = completion_id or new_completion_id(id_prefix)
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs

@@ -41,9 +41,10 @@ class ConversationsClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def create(self, org_id: str, title: str, model: str, metadata: dict[str, str]) -> pb.Conversation:
+    async def create(self, org_id: str, title: str, model: str, metadata: dict[str, str],
+                     kind: str = "") -> pb.Conversation:
         return await self._call(self._stub.CreateConversation, pb.CreateConversationRequest(
-            organization_id=org_id, title=title, model=model, metadata=metadata))
+            organization_id=org_id, title=title, model=model, metadata=metadata, kind=kind))
 
     async def get(self, org_id: str, conversation_id: str) -> pb.Conversation:
         return await self._call(self._stub.GetConversation, pb.GetConversationRequest(

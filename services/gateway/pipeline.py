@@ -60,6 +60,7 @@ class Generation:
     affinity_key: str = ""                              # routing affinity (prompt_cache_key)
     temperature: float | None = None
     id_prefix: str = "chatcmpl-"
+    id: str = ""                                        # the reply's id when the endpoint chose it
     operation: str = "chat"                             # gen_ai.operation.name and the span's name
 
     @property
@@ -122,6 +123,7 @@ class Pipeline:
         self.metadata: list[tuple[str, str]] = []
         self.context = 0
         self.info: worker_pb2.ModelInfo | None = None
+        self.completion: Completion | None = None    # once the request went upstream
 
     @classmethod
     async def open(cls, request: web.Request) -> "Pipeline":
@@ -219,7 +221,8 @@ class Pipeline:
     async def _run(self, gen: Generation, wire_for: Any, prompt_estimate: int, ticket: Reservation,
                    span: trace.Span) -> web.StreamResponse:
         guards = [self.gw.safety.output_guard(self.org_id) for _ in range(gen.n)]
-        completion = Completion(gen.model, gen.n, guards, gen.logprobs, prompt_estimate, gen.id_prefix)
+        completion = Completion(gen.model, gen.n, guards, gen.logprobs, prompt_estimate, gen.id_prefix, gen.id)
+        self.completion = completion
         wire = wire_for(completion)
         call = self.gw.upstream.generate(self._upstream_request(gen, completion.id), self.metadata)
         try:
@@ -260,6 +263,11 @@ class Pipeline:
         else:
             series.inter_token.observe(now - outcome.last_token_at)
         outcome.last_token_at = now
+
+    @property
+    def produced(self) -> bool:
+        """Output was generated (the keeper will run, or has)."""
+        return self.completion is not None and self.completion.completion_tokens > 0
 
     def _finish(self, completion: Completion) -> None:
         self.outcome.status = "content_filter" if "content_filter" in completion.finish_reasons else "ok"

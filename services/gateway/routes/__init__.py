@@ -22,7 +22,8 @@ async def read_json(request: web.Request) -> Any:
 
 
 def register_routes(app: web.Application) -> None:
-    from services.gateway.routes import admin, chat, conversations, models, openapi, pages
+    from services.gateway.routes import admin, chat, completions, conversations, embeddings, models, openapi, \
+        pages, responses
 
-    for module in (chat, models, conversations, admin, openapi, pages):
+    for module in (chat, completions, responses, embeddings, models, conversations, admin, openapi, pages):
         module.register(app)
