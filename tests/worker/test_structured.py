@@ -117,6 +117,12 @@ def test_speculative_decoding_gives_the_same_constrained_greedy_output(smollm2, 
         assert out.spec_accepted > 0
     # The draft model drafts under the grammar too, so as its own draft almost every draft holds.
     assert drafted["b"].spec_accepted / drafted["b"].spec_proposed > 0.9
+    # Sampled: drafts from the masked draft distribution, verified by rejection sampling under the mask.
+    sampled = run(draft.engine, {"p": (prompts["pet"], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=60,
+                                                                      constraint=schema(PET)))})
+    for out in sampled.values():
+        assert out.finish == "stop" and out.spec_accepted > 0
+        jsonschema.validate(json.loads(out.text), PET)
 
 
 def test_preemption_in_the_middle_of_json(smollm2, prompts, basket_alone):

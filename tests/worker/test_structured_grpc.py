@@ -44,6 +44,19 @@ def test_json_schema_output_validates(stub):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_speculation_keeps_the_constrained_greedy_output(stub):
+    request = chat("List three fruits with a quantity each, as JSON.", 64)
+    request.constraint.json_schema = json.dumps({"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"fruit": {"type": "string", "maxLength": 10}, "qty": {"type": "integer"}},
+        "required": ["fruit", "qty"], "additionalProperties": False}})
+    plain = list(stub.Generate(request, timeout=120))
+    request.sampling.num_speculative_tokens = 4
+    speculated = list(stub.Generate(request, timeout=120))
+    assert [t for r in speculated for t in r.token_ids] == [t for r in plain for t in r.token_ids]
+    assert speculated[-1].usage.spec_accepted_tokens > 0
+    json.loads("".join(r.text for r in plain))
+
+
 def test_json_object_output_parses(stub):
     request = chat("Give me a JSON object with the name of a cat, and nothing else.", 96)
     request.constraint.json_object = True
