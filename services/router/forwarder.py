@@ -82,7 +82,7 @@ class Forwarder:
         _check_prompt(request)
         if not request.model:
             request = _with_model(request, pool.model)
-        hashes = block_hashes(routing_key(request), request.cache_salt, self.block_chars)
+        hashes = affinity_hashes(request, self.block_chars)
         metadata = self.passthrough(metadata)
         timeout = min(self.config.request_timeout_s, time_remaining or float("inf"))
         failed: list[str] = []
@@ -161,6 +161,14 @@ class Forwarder:
             self.metrics.affinity_hits.labels(pool.model, worker.address).inc()
         self.metrics.prefix_blocks.labels(pool.model, "matched").inc(matched)
         self.metrics.prefix_blocks.labels(pool.model, "total").inc(total)
+
+
+def affinity_hashes(request: worker_pb2.GenerateRequest, block_chars: int) -> list[int]:
+    """What prefix affinity keys on: the caller's affinity key when set (e.g. an OpenAI
+    prompt_cache_key: requests sharing it share one block, so they land together), else the prompt."""
+    if request.affinity_key:
+        return [hash(("affinity", request.cache_salt, request.affinity_key))]
+    return block_hashes(routing_key(request), request.cache_salt, block_chars)
 
 
 def _check_prompt(request: worker_pb2.GenerateRequest) -> None:

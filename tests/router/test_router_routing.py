@@ -284,3 +284,16 @@ async def test_metrics_are_served_over_http(fake_workers, start_router):
     for worker in workers:
         assert f'llmserve_router_worker_healthy{{model="m",worker="{worker.address}"}} 1.0' in page
     assert 'llmserve_router_requests_total{decision="cache_miss",model="m"' in page
+
+
+async def test_requests_sharing_an_affinity_key_land_together_whatever_their_prompts(fake_workers, start_router):
+    workers = await fake_workers(3)
+    client = await start_router(router_config({"m": workers}))
+    for i in range(6):   # unrelated prompts, one key (an OpenAI prompt_cache_key)
+        request = worker_pb2.GenerateRequest(model="m", text=f"prompt {i} shares nothing {i * 7919}",
+                                             affinity_key="user-42")
+        assert len([r async for r in client.generation.Generate(request)]) == 3
+    assert sorted(served_by(workers).values()) == [0, 0, 6]
+    for i in range(6):   # without a key the same prompts spread
+        await client.generate(text=f"prompt {i} shares nothing {i * 7919}")
+    assert max(served_by(workers).values()) < 12
