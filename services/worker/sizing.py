@@ -1,16 +1,20 @@
 """KV-cache sizing: how many tokens, blocks and concurrent requests fit on one GPU.
 
-    python -m services.worker.sizing --model llama-2-13b --gpu-memory 80 40
+    python -m services.worker.sizing --model llama-2-13b qwen3-30b-a3b --gpu-memory 80 40
     python -m services.worker.sizing --model path/to/config.json --gpu-memory 141 --kv-dtype fp8
 
 The arithmetic (memory in GiB, 2^30 bytes, as nvidia-smi and torch report it):
 - KV bytes per token = 2 (K and V) x layers x KV heads x head dim x KV dtype bytes;
 - KV budget = GPU memory x utilisation - weights (parameters x weight dtype bytes) - overhead
-  (activations, CUDA graphs, allocator slack: measure it, 0 by default);
+  (activations, CUDA graphs, allocator slack: measure it, 0 by default); a mixture-of-experts
+  model keeps every expert resident, so all of them count, not only the top-k a token uses;
 - blocks = budget // (block size x bytes per token);
-- paged concurrency: a request holds ceil((prompt + output) / block size) blocks, no more;
+- paged concurrency: a request holds ceil((prompt + output) / block size) blocks, no more; in a
+  sliding-window layer (Gemma 3, Mistral) only the blocks its window reaches, at most
+  ceil((W - 1) / block size) + 1, since blocks wholly before every window may return to the pool;
 - contiguous concurrency: every request reserves the full context length up front (the
-  pre-paging way, and what TGI-style admission does with max_tokens = context).
+  pre-paging way, and what TGI-style admission does with max_tokens = context; a sliding layer
+  reserves its window).
 
 Nothing here imports torch, so the worker can log `kv_cache_report` at start for free.
 """
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services.worker.model.config import ModelConfig
+from services.worker.model.hf_config import model_config_from_hf
 from services.worker.model.shapes import NAMED_SHAPES
 
 GIB = 1 << 30
@@ -58,6 +63,22 @@ def kv_bytes_per_token(shape: KVShape, kv_dtype: str) -> int:
     return int(2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes(kv_dtype, KV_DTYPES))
 
 
+def request_kv_bytes(shape: ModelShape, tokens: int, kv_dtype: str, block_size: int) -> int:
+    """KV of one request of `tokens` tokens in whole blocks: a full-attention layer holds every
+    block, a sliding-window layer those its window reaches (at most ceil((W - 1) / block) + 1)."""
+    per_layer_block = kv_bytes_per_token(shape, kv_dtype) // shape.num_layers * block_size
+    blocks = math.ceil(tokens / block_size)
+    sliding = min(blocks, math.ceil((shape.sliding_window - 1) / block_size) + 1) if shape.sliding_window else blocks
+    return per_layer_block * ((shape.num_layers - shape.num_sliding_layers) * blocks + shape.num_sliding_layers * sliding)
+
+
+def reserved_kv_bytes(shape: ModelShape, context: int, kv_dtype: str) -> int:
+    """KV a contiguous reservation of `context` tokens takes: a sliding layer reserves its window."""
+    per_layer_token = kv_bytes_per_token(shape, kv_dtype) // shape.num_layers
+    sliding = min(context, shape.sliding_window) if shape.sliding_window else context
+    return per_layer_token * ((shape.num_layers - shape.num_sliding_layers) * context + shape.num_sliding_layers * sliding)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a decoder-only (Llama-style) model that decide its memory."""
@@ -71,6 +92,12 @@ class ModelShape:
     max_context_length: int
     head_dim: int = 0                 # 0: hidden_size // num_heads
     tie_word_embeddings: bool = False
+    num_experts: int = 0              # > 0: num_moe_layers layers route each token to experts_per_token of them
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int = 0
+    sliding_window: int = 0           # > 0: num_sliding_layers layers attend to the last W positions only
+    num_sliding_layers: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -88,47 +115,57 @@ class ModelShape:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         elif self.head_dim < 0:
             raise SizingError(f"{self.name}: head_dim must be positive, got {self.head_dim}")
+        if not 0 <= self.num_moe_layers <= self.num_layers or not 0 <= self.num_sliding_layers <= self.num_layers:
+            raise SizingError(f"{self.name}: MoE and sliding layers must be between 0 and num_layers")
 
     @property
     def num_params(self) -> int:
-        """Parameters of a Llama block stack: attention, gated MLP, two RMS norms per layer."""
+        """Parameters of the block stack: attention, gated MLPs (every expert of an MoE layer and
+        its router), RMS norms; the embedding and the head."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward pass reads: the top-k experts of each MoE layer."""
+        return self._params(self.experts_per_token)
+
+    def _params(self, experts: int) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        attention = h * q + 2 * h * kv + q * h + 2 * h
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        mlps = (self.num_layers - self.num_moe_layers) * dense_mlp + self.num_moe_layers * moe_mlp
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * per_layer + heads * self.vocab_size * h + h
+        return self.num_layers * attention + mlps + heads * self.vocab_size * h + h
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "") -> ModelShape:
-        """From a Hugging Face config.json (LlamaConfig field names)."""
+        """From a Hugging Face config.json, read as the worker reads it (hf_config.py); a file
+        without model_type is read as a Llama."""
         name = name or str(config.get("_name_or_path") or config.get("model_type") or "model")
-        required = ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                    "intermediate_size", "vocab_size")
-        missing = [key for key in required if key not in config]
-        if missing:
-            raise SizingError(f"{name}: config.json lacks {', '.join(missing)}")
-        return cls(
-            name=name,
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            max_context_length=config.get("max_position_embeddings", 4096),
-            head_dim=config.get("head_dim") or 0,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        try:
+            model = model_config_from_hf(name, {"model_type": "llama", **config})
+        except ValueError as e:
+            raise SizingError(f"{name}: config.json: {e}") from None
+        return cls.of(model)
 
     @classmethod
     def of(cls, config: ModelConfig) -> ModelShape:
+        layers = range(config.num_layers)
         return cls(name=config.name, num_layers=config.num_layers, hidden_size=config.hidden_size,
                    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
                    max_context_length=config.max_context_length, head_dim=config.head_dim,
-                   tie_word_embeddings=config.tie_word_embeddings)
+                   tie_word_embeddings=config.tie_word_embeddings, num_experts=config.num_experts,
+                   experts_per_token=config.num_experts_per_tok, moe_intermediate_size=config.moe_intermediate_size,
+                   num_moe_layers=sum(config.is_moe(i) for i in layers),
+                   sliding_window=config.sliding_window or 0,
+                   num_sliding_layers=sum(config.is_sliding(i) for i in layers))
 
 
 SHAPES: dict[str, ModelShape] = {name: ModelShape.of(config) for name, config in NAMED_SHAPES.items()}
+# What `make sizing` prints: a dense Llama, and the families whose memory differs (MoE, sliding window).
+DEFAULT_MODELS = ("llama-2-13b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b")
 
 
 def dtype_bytes(dtype: str, allowed: tuple[str, ...] = tuple(DTYPE_BYTES)) -> float:
@@ -222,12 +259,16 @@ class KVCachePlan:
         return self.kv_budget_bytes // self.block_bytes
 
     @property
+    def request_kv_bytes(self) -> int:
+        return request_kv_bytes(self.shape, self.request_tokens, self.kv_dtype, self.block_size)
+
+    @property
     def paged_requests(self) -> int:
-        return self.num_blocks // math.ceil(self.request_tokens / self.block_size)
+        return self.kv_budget_bytes // self.request_kv_bytes
 
     @property
     def contiguous_requests(self) -> int:
-        return self.kv_budget_bytes // (self.max_model_len * self.kv_bytes_per_token)
+        return self.kv_budget_bytes // reserved_kv_bytes(self.shape, self.max_model_len, self.kv_dtype)
 
 
 def plan_kv_cache(shape: ModelShape, gpu_memory_gib: float, *, weights_dtype: str = "bfloat16",
@@ -252,19 +293,39 @@ def format_plan(plan: KVCachePlan) -> str:
         f"  KV per token        {_kib(plan.kv_bytes_per_token)} ({plan.kv_dtype}) = 2 x "
         f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim} x {DTYPE_BYTES[plan.kv_dtype]:g} bytes",
         f"  weights             {plan.weights_bytes / gib:.1f} GiB ({plan.weights_dtype})",
+        *_moe_lines(s),
+        *_sliding_lines(plan),
         f"  KV budget           {plan.kv_budget_bytes / gib:.1f} GiB = {plan.usable_bytes / gib:.1f}"
         f" usable - {plan.weights_bytes / gib:.1f} weights",
         f"  blocks              {plan.num_blocks} x {plan.block_size} tokens = "
         f"{plan.num_blocks * plan.block_size} tokens",
         f"  requests of {plan.prompt_tokens} + {plan.output_tokens} tokens at once:",
         f"    paged             {plan.paged_requests} "
-        f"({math.ceil(plan.request_tokens / plan.block_size)} blocks each)",
+        f"({math.ceil(plan.request_tokens / plan.block_size)} blocks each"
+        f"{', ' + _mib(plan.request_kv_bytes) if s.num_sliding_layers else ''})",
         f"    contiguous        {plan.contiguous_requests} (each reserves the "
-        f"{plan.max_model_len}-token context, {_mib(plan.max_model_len * plan.kv_bytes_per_token)})",
+        f"{plan.max_model_len}-token context, {_mib(reserved_kv_bytes(s, plan.max_model_len, plan.kv_dtype))})",
     ]
     if plan.contiguous_requests:
         lines.append(f"    paging gain       {plan.paged_requests / plan.contiguous_requests:.1f}x")
     return "\n".join(lines)
+
+
+def _moe_lines(s: ModelShape) -> list[str]:
+    if not s.num_experts:
+        return []
+    return [f"  experts             {s.num_experts} x {s.moe_intermediate_size} in {s.num_moe_layers} layers, "
+            f"top {s.experts_per_token}: all resident, {s.active_params / 1e9:.2f} B parameters active per token"]
+
+
+def _sliding_lines(plan: KVCachePlan) -> list[str]:
+    s = plan.shape
+    if not s.num_sliding_layers:
+        return []
+    full = math.ceil(plan.request_tokens / plan.block_size) * plan.block_bytes
+    return [f"  sliding window      {s.num_sliding_layers} of {s.num_layers} layers see the last {s.sliding_window} "
+            f"tokens: a {plan.request_tokens}-token request holds {_mib(plan.request_kv_bytes)} of KV, "
+            f"not {_mib(full)}"]
 
 
 def kv_cache_report(shape: KVShape, num_blocks: int, block_size: int, kv_dtype: str,
@@ -293,8 +354,9 @@ def _mib(n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.worker.sizing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-2-13b",
-                        help=f"one of {', '.join(SHAPES)}, or a config.json path (default llama-2-13b)")
+    parser.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS),
+                        help=f"one or more of {', '.join(SHAPES)}, or config.json paths "
+                             f"(default {' '.join(DEFAULT_MODELS)})")
     parser.add_argument("--gpu-memory", type=float, nargs="+", default=[80.0, 40.0], metavar="GIB",
                         help="GPU memory in GiB, one or more (default 80 40)")
     parser.add_argument("--weights-dtype", default="bfloat16", help="default bfloat16")
@@ -309,16 +371,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context each contiguous reservation holds (default: the model's)")
     args = parser.parse_args(argv)
-    try:
-        shape = load_shape(args.model)
-        plans = [plan_kv_cache(shape, gib, weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype,
-                               block_size=args.block_size, utilisation=args.utilisation,
-                               overhead_gib=args.overhead, prompt_tokens=args.prompt_tokens,
-                               output_tokens=args.output_tokens, max_model_len=args.max_model_len)
-                 for gib in args.gpu_memory]
-    except SizingError as e:
-        parser.error(str(e))
-    print("\n\n".join(format_plan(p) for p in plans))
+    sections, errors = [], []
+    for model in args.model:
+        for gib in args.gpu_memory:
+            try:
+                sections.append(format_plan(plan_kv_cache(
+                    load_shape(model), gib, weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype,
+                    block_size=args.block_size, utilisation=args.utilisation, overhead_gib=args.overhead,
+                    prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                    max_model_len=args.max_model_len)))
+            except SizingError as e:
+                errors.append(str(e))
+                sections.append(str(e))
+    if len(errors) == len(sections):   # nothing to show: a usage error
+        parser.error("; ".join(dict.fromkeys(errors)))
+    print("\n\n".join(sections))
     return 0
 
 

@@ -33,7 +33,8 @@ def test_tiny_is_seeded_and_runs(paged_sequence):
 
 @pytest.mark.parametrize("shape, params_billion, qkv_rows", [
     ("smollm2-135m", 0.1345, 960), ("llama-3-8b", 8.030, 6144), ("llama-3.1-8b", 8.030, 6144),
-    ("llama-3-70b", 70.55, 10240), ("qwen2.5-7b", 7.616, 4608)])
+    ("llama-3-70b", 70.55, 10240), ("qwen2.5-7b", 7.616, 4608), ("qwen3-8b", 8.191, 6144),
+    ("qwen3-30b-a3b", 30.53, 5120), ("mixtral-8x7b", 46.70, 6144), ("gemma-3-12b", 11.77, 8192)])
 def test_named_shapes_on_meta_device(shape, params_billion, qkv_rows):
     loaded = _load(f"random:{shape}", device=torch.device("meta"), dtype=torch.bfloat16)
     params = dict(loaded.model.named_parameters())

@@ -8,8 +8,7 @@ import pytest
 
 from services.worker.model.config import ModelConfig
 from services.worker.sizing import (GIB, SHAPES, ModelShape, SizingError, kv_bytes_per_token,
-                                    kv_cache_report, load_shape,
-                                    main, plan_kv_cache)
+                                    kv_cache_report, load_shape, main, plan_kv_cache, request_kv_bytes)
 
 
 def test_kv_bytes_per_token_of_known_models():
@@ -103,7 +102,7 @@ def test_bad_model_inputs(tmp_path):
     with pytest.raises(SizingError, match="not a readable JSON"):
         load_shape(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
-    with pytest.raises(SizingError, match="lacks num_hidden_layers"):
+    with pytest.raises(SizingError, match="config.json: lacks 'num_attention_heads'"):
         load_shape(str(tmp_path))
     with pytest.raises(SizingError, match="multiple of num_kv_heads"):
         ModelShape("odd", 2, 64, 8, 3, 128, 100, 512)
@@ -116,3 +115,50 @@ def test_command_rejects_bad_input_with_usage_error(capsys):
         main(["--model", "llama-3-70b", "--gpu-memory", "80"])
     assert exit_info.value.code == 2
     assert "no room for even one KV block" in capsys.readouterr().err
+
+
+def test_moe_counts_every_expert_resident_and_top_k_active():
+    # Published: Qwen3-30B-A3B 30.5 B (3.3 B active), Mixtral 8x7B 46.7 B (12.9 B active), Qwen3-8B 8.2 B.
+    for name, total, active in [("qwen3-30b-a3b", 30.53e9, 3.35e9), ("mixtral-8x7b", 46.70e9, 12.88e9),
+                                ("qwen3-8b", 8.19e9, 8.19e9)]:
+        assert SHAPES[name].num_params == pytest.approx(total, rel=0.005), name
+        assert SHAPES[name].active_params == pytest.approx(active, rel=0.01), name
+    plan = plan_kv_cache(SHAPES["qwen3-30b-a3b"], 80)
+    assert plan.weights_bytes == SHAPES["qwen3-30b-a3b"].num_params * 2        # all 128 experts, bf16
+
+
+def test_sliding_window_layers_hold_only_their_windows_blocks():
+    gemma = SHAPES["gemma-3-12b"]
+    assert (gemma.num_sliding_layers, gemma.sliding_window) == (40, 1024)
+    per_layer_block = 2 * 8 * 256 * 2 * 16
+    # 1300 tokens = 82 blocks; a 1024 window reaches at most ceil(1023 / 16) + 1 = 65 of them.
+    assert request_kv_bytes(gemma, 1300, "bfloat16", 16) == per_layer_block * (8 * 82 + 40 * 65)
+    assert request_kv_bytes(gemma, 500, "bfloat16", 16) == per_layer_block * 48 * 32     # within the window
+    plan = plan_kv_cache(gemma, 80)
+    assert plan.paged_requests == plan.kv_budget_bytes // (per_layer_block * (8 * 82 + 40 * 65))
+    dense = ModelShape(**{**vars(gemma), "sliding_window": 0, "num_sliding_layers": 0})
+    assert plan.paged_requests > plan_kv_cache(dense, 80).paged_requests
+
+
+def test_hf_config_json_of_the_new_families(tmp_path):
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+           "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+           "rope_theta": 1e6, "norm_topk_prob": True}
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    assert load_shape(str(tmp_path)) == ModelShape(**{**vars(SHAPES["qwen3-30b-a3b"]), "name": tmp_path.name})
+    gemma = {"model_type": "gemma3_text", "num_hidden_layers": 12, "hidden_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 512, "vocab_size": 1000,
+             "max_position_embeddings": 4096, "sliding_window": 512, "sliding_window_pattern": 6}
+    (tmp_path / "config.json").write_text(json.dumps(gemma))
+    shape = load_shape(str(tmp_path))
+    assert (shape.num_sliding_layers, shape.sliding_window, shape.tie_word_embeddings) == (10, 512, True)
+
+
+def test_make_sizing_covers_the_new_families():
+    out = subprocess.run([sys.executable, "-m", "services.worker.sizing", "--gpu-memory", "141"],
+                         capture_output=True, text=True, check=True).stdout
+    for name in ("llama-2-13b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b"):
+        assert f"{name} on a 141 GiB GPU" in out
+    assert "128 x 768 in 48 layers, top 8: all resident" in out
+    assert "40 of 48 layers see the last 1024 tokens" in out
