@@ -6,6 +6,7 @@ stop strings, logprobs and prefix caching alongside, abort, and the grammar cach
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import jsonschema
@@ -211,6 +212,8 @@ def test_a_grammar_is_compiled_once_per_constraint(smollm2, prompts):
      "Unknown format"),
     (Constraint("json_schema", json.dumps({"type": "array", "uniqueItems": True}), strict=True), "uniqueItems"),
     (Constraint("json_schema", json.dumps({"$ref": "#/definitions/missing"})), "constraint.json_schema"),
+    (Constraint("json_schema", "false"), "must be a JSON object (a schema) or true"),
+    (Constraint("json_schema", json.dumps({"type": "integer", "minimum": 5, "maximum": 1})), "Unsatisfiable"),
     (Constraint("regex", "(unclosed"), "constraint.regex"),
     (Constraint("grammar", "start: nothing_here"), "constraint.grammar"),
     (Constraint("choice", "[]"), "constraint.choice"),
@@ -218,7 +221,7 @@ def test_a_grammar_is_compiled_once_per_constraint(smollm2, prompts):
 ])
 def test_bad_constraints_are_refused_before_queueing(smollm2, prompts, constraint, message):
     engine = make_engine(smollm2)
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("$", r"\$")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         engine.add_request("bad", prompts["person"], greedy(4, constraint))
     assert not engine.has_work()
 

@@ -79,9 +79,11 @@ def grammar_text(constraint: Constraint) -> str:
             schema = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"constraint.json_schema is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError("constraint.json_schema must be a JSON object (a schema), "
-                             f"got {type(schema).__name__}")
+        if schema is True:   # the schema that admits every value
+            schema = {}
+        if not isinstance(schema, dict):
+            raise ValueError("constraint.json_schema must be a JSON object (a schema) or true, "
+                             f"got {json.dumps(schema)[:40]}")
         return _json_grammar(schema, lenient=not constraint.strict)
     if kind == "regex":   # \d means an ASCII digit, as callers of JSON APIs expect (not any Unicode Nd)
         return llguidance.LLMatcher.grammar_from_regex(llguidance.regex_to_lark(value, "d"))
@@ -95,7 +97,7 @@ def grammar_text(constraint: Constraint) -> str:
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
-def _json_grammar(schema: dict | bool, lenient: bool) -> str:
+def _json_grammar(schema: dict, lenient: bool) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), defaults={**JSON_OPTIONS, "lenient": lenient})
