@@ -232,7 +232,9 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
                              waiting_prompt_tokens=s.load.waiting_prompt_tokens, step_time_s=s.load.step_time_s,
                              decode_tokens_per_s=s.load.decode_tokens_per_s,
                              prefill_tokens_per_s=s.load.prefill_tokens_per_s, max_num_seqs=limits.max_num_seqs,
-                             max_num_batched_tokens=limits.max_num_batched_tokens, block_size=limits.block_size)
+                             max_num_batched_tokens=limits.max_num_batched_tokens, block_size=limits.block_size,
+                             decode_step_base_s=s.load.decode_step_base_s,
+                             decode_step_per_seq_s=s.load.decode_step_per_seq_s)
 
     async def _check_model(self, name: str, context: grpc.aio.ServicerContext) -> None:
         if name and name != self.model.name:

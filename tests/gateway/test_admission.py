@@ -15,7 +15,7 @@ import pytest
 from llmserve.config import ConfigError
 from llmserve.v1 import router_pb2, worker_pb2
 from llmserve.v1 import worker_pb2_grpc
-from services.gateway.admission.estimator import PoolEstimator, StepModel
+from services.gateway.admission.estimator import PoolEstimator, StepLine
 from services.gateway.config import GatewayConfig, OverloadConfig, validate
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard, Overloaded
@@ -32,24 +32,23 @@ def guard(**cfg) -> OverloadGuard:
                                            "queue_timeout_s": 5.0, **cfg}), GatewayMetrics())
 
 
-def report(running: int, speed: float, workers_seqs: int = 64, prefill: float = 1000.0,
+def report(running: int = 1, base: float = 0.010, per_seq: float = 0.002, seqs: int = 64, prefill: float = 1000.0,
            queued: int = 0) -> worker_pb2.LoadReport:
-    return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=speed, step_time_s=1 / speed,
-                                 prefill_tokens_per_s=prefill, max_num_seqs=workers_seqs, waiting_prompt_tokens=queued)
+    step = base + per_seq * running
+    return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=1 / step, step_time_s=step,
+                                 prefill_tokens_per_s=prefill, max_num_seqs=seqs, waiting_prompt_tokens=queued,
+                                 decode_step_base_s=base, decode_step_per_seq_s=per_seq)
 
 
 # -- the estimator ---------------------------------------------------------------------------
 
-def test_step_model_fits_the_line_and_gives_the_streams_at_a_speed():
-    steps = StepModel()
-    for batch in (1, 2, 4, 8, 16, 4, 2):
-        steps.observe(batch, 0.010 + 0.002 * batch)
-    base, per_seq = steps.line()
-    assert base == pytest.approx(0.010, rel=1e-6) and per_seq == pytest.approx(0.002, rel=1e-6)
-    assert steps.streams_at(20.0) == 20          # 1/20 s = 10 ms + 20 x 2 ms
-    one = StepModel()
-    one.observe(4, 0.013)                        # a single batch size: the prior shape, through the sample
-    assert one.step_s(4) == pytest.approx(0.013) and one.step_s(8) > 0.013
+def test_the_step_line_gives_the_streams_at_a_speed_or_the_knee_when_unreachable():
+    line = StepLine.of([report(4), report(8, base=0.012, per_seq=0.002)])
+    assert (line.base, line.per_seq) == (pytest.approx(0.011), pytest.approx(0.002))
+    assert StepLine(0.010, 0.002).streams_at(20.0) == 20          # 1/20 s = 10 ms + 20 x 2 ms
+    assert StepLine(0.100, 0.010).streams_at(20.0) == 40          # 9 tokens/s at batch 1: 80% of the peak
+    old = StepLine.of([worker_pb2.LoadReport(running=4, decode_tokens_per_s=1 / 0.013)])   # no fitted line
+    assert old.step_s(4) == pytest.approx(0.013) and old.step_s(8) > 0.013
 
 
 @pytest.fixture(scope="module")
@@ -85,35 +84,37 @@ def test_the_estimate_from_a_real_workers_reports_matches_its_streams(real_worke
         measured[batch] = sorted(speeds)[len(speeds) // 2]
     for batch, speed in measured.items():
         estimate = pool.estimate(prompt_tokens=10, streams=batch - 1)
-        assert speed / 3 < estimate.tokens_per_s < speed * 3, (measured, estimate, pool.steps.line())
+        assert speed / 3 < estimate.tokens_per_s < speed * 3, (measured, estimate, pool.line)
         assert 0 < estimate.ttft_s < 5
     between = (measured[1] + measured[4]) / 2
-    assert 1 <= pool.capacity(between) <= 4 * 2, (measured, pool.steps.line())
+    assert 1 <= pool.capacity(between) <= 4 * 2, (measured, pool.line)
 
 
 # -- the controller --------------------------------------------------------------------------
 
 async def test_capacity_follows_the_reports_and_is_split_between_replicas():
     g = guard(stream_tokens_per_s=20.0)
-    for batch in (1, 2, 4, 8, 16):
-        g.set_pool({"m": [report(batch, 1 / (0.010 + 0.002 * batch))] * 2})
+    assert g.limit("m") == 64                    # nothing reported: the fixed ceiling
+    g.set_pool({"m": [report(16)] * 2})
     assert g.limit("m") == 40                    # 20 streams a worker at 20 tokens/s, two workers
-    g.set_pool({"m": [report(16, 1 / 0.042)] * 2}, replicas=3)
+    g.set_pool({"m": [report(16)] * 2}, replicas=3)
     assert g.limit("m") == 14                    # 40 / 3, rounded up
+    g.set_pool({"m": [report(16, seqs=8)] * 2})
+    assert g.limit("m") == 16                    # the engines' running caps
     g2 = guard(stream_tokens_per_s=20.0, follow_pool_load=False, max_in_flight_per_worker=2)
-    g2.set_pool({"m": [report(16, 1 / 0.042)] * 2})
+    g2.set_pool({"m": [report(16)] * 2})
     assert g2.limit("m") == 4
 
 
 async def test_a_deep_prefill_queue_holds_requests_back_until_it_drains():
     g = guard(ttft_target_s=1.0)
-    g.set_pool({"m": [report(1, 50.0, queued=0)]})
+    g.set_pool({"m": [report(queued=0)]})
     async with g.admit("m", prompt_tokens=100):
-        g.set_pool({"m": [report(1, 50.0, queued=5000)]})        # 5 s of prompts ahead
+        g.set_pool({"m": [report(queued=5000)]})                 # 5 s of prompts ahead
         held = asyncio.create_task(g.admit("m", prompt_tokens=10).__aenter__())
         await asyncio.sleep(0.05)
         assert not held.done()
-        g.set_pool({"m": [report(1, 50.0, queued=200)]})         # drained
+        g.set_pool({"m": [report(queued=200)]})                  # drained
         await asyncio.wait_for(held, 1)
     assert g.metrics.decisions.labels(model="m", organization="", decision="queued")._value.get() == 1
 
@@ -177,13 +178,10 @@ async def test_refusals_carry_retry_after_from_the_drain_estimate_and_cancelled_
 async def test_two_gateways_share_the_measured_budget(redis_prefix):
     class Router:
         async def list_workers(self, model: str = ""):
-            return [router_pb2.WorkerStatus(model="m", address=f"w{i}", healthy=True,
-                                            load=report(8, 1 / (0.010 + 0.002 * 8))) for i in range(2)]
+            return [router_pb2.WorkerStatus(model="m", address=f"w{i}", healthy=True, load=report(8))
+                    for i in range(2)]
 
     guards = [guard(stream_tokens_per_s=20.0), guard(stream_tokens_per_s=20.0)]
-    for g in guards:                            # the fit already knows the line
-        for batch in (1, 4, 16):
-            g.set_pool({"m": [report(batch, 1 / (0.010 + 0.002 * batch))] * 2})
     watches = [PoolWatch(Router(), g, replicas(redis_prefix), interval_s=60) for g in guards]
     try:
         for watch in watches:

@@ -165,6 +165,7 @@ def test_load_report_carries_what_admission_needs(stub):
     assert (load.max_num_seqs, load.max_num_batched_tokens, load.block_size) == (1, 512, 16)
     assert 0 < load.step_time_s < 5
     assert 0 < load.decode_tokens_per_s < 10_000 and 0 < load.prefill_tokens_per_s
+    assert 0 < load.decode_step_base_s < 5 and load.decode_step_per_seq_s > 0   # one batch size: the prior
     assert load.waiting_prompt_tokens == 0
     calls = [stub.Generate(generate("A", 64)) for _ in range(3)]
     deadline = time.monotonic() + 30
@@ -179,3 +180,17 @@ def test_worker_refuses_a_bad_tenant_weight(stub):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(generate("A", 4, weight=-2.0), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant_weight" in e.value.details()
+
+
+def test_the_step_fit_recovers_base_per_sequence_and_prefill_costs():
+    from services.worker.engine.load_stats import _StepFit
+    fit = _StepFit()
+    for i in range(200):
+        seqs, prompt = (1, 2, 4, 8, 16)[i % 5], (0, 0, 64, 0, 256, 0, 0)[i % 7]
+        fit.add(seqs, prompt, 0.010 + 0.002 * seqs + 0.0005 * prompt)
+    assert fit.solve(0) == pytest.approx((0.010, 0.002, 0.0005))
+    one = _StepFit()
+    for _ in range(20):
+        one.add(4, 0, 0.013)                 # one batch size: the prior splits the step at 4
+    base, per_seq, _ = one.solve(0)
+    assert base + 4 * per_seq == pytest.approx(0.013) and per_seq == pytest.approx(0.1 * (base + per_seq))
