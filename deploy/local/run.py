@@ -3,8 +3,8 @@
 Starts each service as its own process on loopback, with the embedded defaults:
 
     conversations  127.0.0.1:50060  SQLite in ./var/conversations.db
-    worker-fp32    127.0.0.1:50051  smollm2-135m-instruct        (SmolLM2-135M, float32)
-    worker-bf16    127.0.0.1:50052  smollm2-135m-instruct-bf16   (the same weights in bfloat16)
+    worker-fp32    127.0.0.1:50051  smollm2-135m-instruct        (SmolLM2-135M, float32, every core)
+    worker-int8    127.0.0.1:50052  smollm2-135m-instruct-int8   (the same weights in int8, one thread)
     router         127.0.0.1:50050  one pool per model
     gateway        http://127.0.0.1:8080  local mode: a dev organization and API key, chat page at /
 
@@ -50,8 +50,11 @@ from services.router import config as router_config  # noqa: E402
 from services.worker import config as worker_config  # noqa: E402
 
 HOST = "127.0.0.1"
-WORKER_MODELS = (("worker-fp32", "smollm2-135m-instruct", "float32", 50051, 9151),
-                 ("worker-bf16", "smollm2-135m-instruct-bf16", "bfloat16", 50052, 9152))
+# (name, model, dtype, quantization, torch threads (0: every core), port, metrics port). An idle
+# worker takes no CPU, so the default model gets every core; the second pool, there to show several
+# pools, is the int8 variant, fast on one thread (docs/perf/engine.md).
+WORKER_MODELS = (("worker-fp32", "smollm2-135m-instruct", "float32", "none", 0, 50051, 9151),
+                 ("worker-int8", "smollm2-135m-instruct-int8", "float32", "int8", 1, 50052, 9152))
 
 
 @dataclass
@@ -77,7 +80,6 @@ def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "
     which otherwise are SQLite files in var_dir; every port is shifted by port_offset."""
     database_url = environ.get("LLMSERVE_DATABASE_URL", "")
     redis_url = environ.get("LLMSERVE_REDIS_URL", "")
-    threads = max(1, (os.cpu_count() or 2) // len(WORKER_MODELS))   # the workers share the cores
 
     def shift(*ports: int) -> list[int]:
         return [p + port_offset for p in ports]
@@ -93,16 +95,18 @@ def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "
     conversations_address = services[0].address
 
     pools = {}
-    for name, model, dtype, *ports in WORKER_MODELS:
+    for name, model, dtype, quantization, threads, *ports in WORKER_MODELS:
         port, metrics_port = shift(*ports)
         worker = worker_config.WorkerConfig()
         worker.server = worker_config.ServerConfig(host=HOST, port=port, metrics_port=metrics_port, name=name)
-        worker.model.name, worker.model.dtype = model, dtype
-        worker.engine.num_threads = threads
-        services.append(grpc_service(name, "services.worker", worker, port, metrics_port, f"{model} ({dtype})"))
+        worker.model.name, worker.model.dtype, worker.model.quantization = model, dtype, quantization
+        worker.engine.num_threads = threads or (os.cpu_count() or 2)
+        weights = dtype if quantization == "none" else quantization
+        services.append(grpc_service(name, "services.worker", worker, port, metrics_port, f"{model} ({weights})"))
         pools[model] = router_config.PoolConfig(addresses=[f"{HOST}:{port}"])
 
     router = router_config.RouterConfig(models=pools)
+    router.health.interval_s = 0.5    # fresher load reports for the gateway's admission
     port, metrics_port = shift(50050, 9150)
     router.server = router_config.ServerConfig(host=HOST, port=port, metrics_port=metrics_port)
     services.append(grpc_service("router", "services.router", router, port, metrics_port,
@@ -115,11 +119,12 @@ def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "
     gateway.conversations.address = conversations_address
     gateway.local_mode.enabled = True
     gateway.database.url = database_url or f"sqlite:///{var_dir / 'gateway.db'}"
-    # CPU workers: admitted TTFT stays within 2x of unloaded only at about one stream per worker
-    # (docs/perf/load.md); a short queue lets a second chat wait a moment instead of failing at once.
+    # Admission follows what the workers report (docs/perf/load.md), with targets that fit a CPU:
+    # reading speed per stream, first token within 2 s; a burst of 64 waits its turn for up to 30 s.
     overload = gateway.overload
-    overload.max_in_flight_per_worker, overload.min_in_flight_per_model = 1, 1
-    overload.max_in_flight_per_model, overload.max_queued_per_model, overload.queue_timeout_s = 4, 2, 2.0
+    overload.ttft_target_s, overload.stream_tokens_per_s = 2.0, 5.0
+    overload.max_in_flight_per_worker, overload.max_in_flight_per_model = 8, 64
+    overload.max_queued_per_model, overload.queue_timeout_s, overload.workers_poll_s = 64, 30.0, 0.5
     if redis_url:
         gateway.rate_limit.backend, gateway.rate_limit.redis_url = "redis", redis_url
     url = f"http://{HOST}:{port}"

@@ -4,6 +4,7 @@ variables switch the stores, and stopping reaches stubborn process groups."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ def launcher():
 
 def test_written_configs_load_as_the_services_own(launcher, tmp_path):
     services = {s.name: s for s in launcher.plan({})}
-    assert list(services) == ["conversations", "worker-fp32", "worker-bf16", "router", "gateway"]
+    assert list(services) == ["conversations", "worker-fp32", "worker-int8", "router", "gateway"]
     for service in services.values():
         path = tmp_path / f"{service.name}.yaml"
         path.write_text(yaml.safe_dump(launcher.dataclasses.asdict(service.config)))
@@ -38,8 +39,8 @@ def test_written_configs_load_as_the_services_own(launcher, tmp_path):
     validate(services["gateway"].config)
 
     workers = {s.config.model.name: s for s in services.values() if s.module == "services.worker"}
-    assert {m: w.config.model.dtype for m, w in workers.items()} == {
-        "smollm2-135m-instruct": "float32", "smollm2-135m-instruct-bf16": "bfloat16"}
+    assert {m: (w.config.model.quantization, w.config.engine.num_threads) for m, w in workers.items()} == {
+        "smollm2-135m-instruct": ("none", os.cpu_count() or 2), "smollm2-135m-instruct-int8": ("int8", 1)}
     router = services["router"].config
     assert {m: p.addresses for m, p in router.models.items()} == {m: [w.address] for m, w in workers.items()}
     gateway = services["gateway"].config
