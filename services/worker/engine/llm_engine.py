@@ -46,6 +46,9 @@ class EngineLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool = True
+    # Set when every layer (of the model and any draft) attends within this window: blocks
+    # wholly outside it return to the pool while a request runs (kv_cache_manager.py).
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -68,7 +71,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.pool = BlockPool(limits.num_blocks)
-        self.kv = KVCacheManager(self.pool, limits.block_size, limits.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, limits.block_size, limits.enable_prefix_caching,
+                                 limits.sliding_window)
         self.scheduler = Scheduler(SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens), self.kv)
         self.proposer = proposer   # n-gram: drafts from token ids, before scheduling
         self.drafts_in_step = runner.drafter is not None
