@@ -143,9 +143,8 @@ class LLMEngine:
         masks = StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
         try:
             results = self.runner.execute(plan.scheduled, masks)
-        except BaseException:
-            masks.wait()
-            raise
+        finally:
+            masks.wait()   # past the step, only the engine thread touches matchers
         now = time.monotonic()
         self.load_stats.record(plan.scheduled, now - started)
         outputs = []

@@ -41,7 +41,7 @@ class StepMasks:
         return request.matcher.masks(drafts)
 
     def wait(self) -> None:
-        """Let a running job finish (a step that failed must not leave it touching matchers)."""
+        """Let the job finish (also when the step failed or never read some of its masks)."""
         if self._future is not None:
             self._future.exception()
 
