@@ -11,6 +11,7 @@ layout, themes, and the development key only in local mode.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -24,6 +25,8 @@ from services.gateway.config import LocalModeConfig, UpstreamConfig
 from tests.browser import chromium
 from tests.gateway.harness import GatewayHarness, gateway_config
 
+WEB = Path(__file__).resolve().parents[2] / "services" / "gateway" / "web"
+STATIC = WEB.parent / "static"
 # A stored assistant message with everything the renderer must handle, and what must never run.
 MARKDOWN = """Here is what you asked for:
 
@@ -56,8 +59,16 @@ def browser():
 @pytest.fixture
 def page(browser: Browser):
     context = browser.new_context(viewport={"width": 1100, "height": 760})
-    page = context.new_page()
     errors: list[str] = []
+
+    def offline(route) -> None:      # the page works offline: nothing is fetched from elsewhere
+        if route.request.url.startswith("http://127.0.0.1:"):
+            route.continue_()
+        else:
+            errors.append(f"fetched from outside: {route.request.url}")
+            route.abort()
+    context.route("**/*", offline)
+    page = context.new_page()
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.confirms = []       # confirm() dialogs a test expects (accepted); any other dialog fails the test
 
@@ -72,6 +83,16 @@ def page(browser: Browser):
     yield page
     context.close()
     assert not errors, errors
+
+
+def test_committed_build_matches_its_source():
+    """static/ is the build of web/ (CI has no Node): the hash the build wrote is the sources' hash."""
+    paths = ["index.html", "package-lock.json", "vite.config.js"] + sorted(f"src/{p.name}" for p in (WEB / "src").iterdir())
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(f"{path}\n".encode() + (WEB / path).read_bytes() + b"\n")
+    built = (STATIC / "source.sha256").read_text().strip()
+    assert built == digest.hexdigest(), "services/gateway/static is stale: cd services/gateway/web && npm ci && npm run build"
 
 
 def use_key(page: Page, gateway: GatewayHarness, key: str) -> None:
@@ -91,11 +112,12 @@ def stored(gateway: GatewayHarness, key: str, conversation_id: str) -> dict:
     return reply.json()
 
 
-def wait_until(condition, timeout_s: float = 5) -> None:
+def wait_until(page: Page, condition, timeout_s: float = 15) -> None:
+    """Waits inside playwright, so that the page's requests (routed through this process) go on."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "the condition did not hold in time"
-        time.sleep(0.05)
+        page.wait_for_timeout(50)
 
 
 def current_id(page: Page) -> str:
@@ -250,7 +272,7 @@ def test_settings_are_sent_and_kept_regenerate_and_edit(gateway: GatewayHarness,
 
     page.fill("#temperature", "1.2")
     page.locator("#temperature").dispatch_event("change")
-    wait_until(lambda: stored(gateway, key, conversation_id)["metadata"]["temperature"] == "1.2")
+    wait_until(page, lambda: stored(gateway, key, conversation_id)["metadata"]["temperature"] == "1.2")
     page.reload()                                            # the settings come back with the conversation
     expect(page.locator("#temperature")).to_have_value("1.2")
     expect(page.locator("#max-tokens")).to_have_value("40")
@@ -259,7 +281,7 @@ def test_settings_are_sent_and_kept_regenerate_and_edit(gateway: GatewayHarness,
 
     calls = len(gateway.fake.calls)
     page.locator("article.message.assistant .regenerate").click()
-    wait_until(lambda: len(gateway.fake.calls) > calls)
+    wait_until(page, lambda: len(gateway.fake.calls) > calls)
     expect(page.locator("article.message.assistant .stats")).not_to_be_empty()
     expect(page.locator("article.message")).to_have_count(2)
     sent = gateway.fake.calls[-1].request
