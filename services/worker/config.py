@@ -37,6 +37,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512 # token budget per step (chunked prefill beyond it)
     max_model_len: int = 0            # 0: the model's context length
     enable_prefix_caching: bool = True
+    # Models whose every layer slides (Mistral with sliding_window): blocks wholly outside the
+    # window go back to the pool while a request runs. Off by default for now: it trades prefix-cache
+    # hits on those early blocks (freed sooner, so evicted sooner) for concurrency.
+    release_window_blocks: bool = False
     attention_backend: str = "auto"   # auto | torch | triton
     # Decode steps of up to this many sequences replay CUDA graphs (Triton backend; captured on
     # CUDA at start, padded but eager elsewhere); 0 turns them off.

@@ -146,3 +146,32 @@ def test_attention_stays_exact_while_released_blocks_are_reused(backend_name):
                     sched.finish(r, RequestStatus.FINISHED_LENGTH)
     assert any(len(o) == 2 for o in owners.values())       # some block served both requests
     assert requests[0].num_output_tokens == 24 and requests[0].num_preemptions == 0
+
+
+@pytest.mark.parametrize("setting", [dict(), dict(max_num_batched_tokens=8), dict(num_blocks=7)],
+                         ids=["batched", "chunked-prefill", "small-pool"])
+def test_engine_releasing_window_blocks_gives_the_same_tokens(setting, tmp_path, smollm2_tokenizer):
+    """A tiny Mistral checkpoint (every layer slides, window 10, prompts up to 41 tokens) through
+    the engine with engine.release_window_blocks on and off: the same greedy tokens, blocks really
+    released on the way, and every block back in the pool at the end."""
+    from tests.worker.families import WINDOW, load, prompts, save_checkpoint
+    from tests.worker.test_engine import greedy, make_engine
+
+    save_checkpoint(tmp_path, smollm2_tokenizer, "mistral", sliding_window=WINDOW)
+    loaded = load(tmp_path)
+    requests = prompts()
+    outputs, released = {}, False
+    for release in (False, True):
+        engine = make_engine(loaded, release_window_blocks=release, **setting)
+        assert engine.kv.sliding_window == (WINDOW if release else None)
+        tokens = {rid: [] for rid in requests}
+        for rid, ids in requests.items():
+            engine.add_request(rid, ids, greedy(12, ignore_eos=True))
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+            released |= any(0 in engine.kv.block_ids(rid) for rid in requests)
+        assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+        outputs[release] = tokens
+    assert released
+    assert outputs[True] == outputs[False]

@@ -73,13 +73,23 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
     limits = EngineLimits(max_model_len=max_model_len, block_size=engine_cfg.block_size, num_blocks=num_blocks,
                           max_num_seqs=engine_cfg.max_num_seqs,
                           max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
-                          enable_prefix_caching=engine_cfg.enable_prefix_caching)
+                          enable_prefix_caching=engine_cfg.enable_prefix_caching,
+                          sliding_window=releasable_window(cfg, draft) if engine_cfg.release_window_blocks else None)
     # A proposer is always there, so a request can ask for speculation on a worker whose
     # default k is 0 (a draft model therefore keeps its cache up to date in every step).
     proposer = None if drafter else NgramProposer(engine_cfg.ngram_min, engine_cfg.ngram_max)
     engine = LLMEngine(limits, runner, loaded.tokenizer, cfg.vocab_size, proposer=proposer,
                        num_speculative_tokens=engine_cfg.num_speculative_tokens)
     return BuiltEngine(engine, loaded, device, dtype)
+
+
+def releasable_window(cfg, draft: LoadedModel | None) -> int | None:
+    """The window past which a request's blocks may return to the pool: only when every layer
+    slides (Mistral's window, say; Gemma 3's global layers keep every block) and no draft model
+    reads the same block tables over its whole context."""
+    if draft is None and all(cfg.is_sliding(layer) for layer in range(cfg.num_layers)):
+        return cfg.sliding_window
+    return None
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
