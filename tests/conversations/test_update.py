@@ -36,6 +36,12 @@ async def test_rename_and_settings_keep_messages_and_list_order(stub, org):
     assert dict(cleared.metadata) == {} and cleared.title == "Again"
 
 
+async def test_an_update_keeps_the_kind(stub, org):
+    stored = await stub.CreateConversation(pb.CreateConversationRequest(organization_id=org, kind="response"))
+    renamed = await update(stub, org, stored.id, title="named")
+    assert renamed.kind == "response" and (await get(stub, org, stored.id)).kind == "response"
+
+
 async def test_keep_messages_drops_the_tail_and_its_idempotency_keys(stub, org):
     conversation = await create(stub, org)
     await append(stub, org, conversation.id, "turn-1", "q1", "a1")

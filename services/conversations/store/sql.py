@@ -8,6 +8,7 @@ multi-statement script.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Mapping, Protocol
@@ -134,9 +135,9 @@ class SqlStore(ConversationStore):
                 # A replayed key must not answer with messages that are gone or were replaced.
                 await tx.execute("DELETE FROM conversation_appends WHERE conversation_id = ? AND first_seq + count > ?",
                                  conversation_id, count)
-            new = Conversation(
-                old.id, old.organization_id, _or(change.title, old.title), _or(change.model, old.model),
-                dict(_or(change.metadata, old.metadata)), old.created_at_ms, updated_at_ms, count)
+            new = dataclasses.replace(
+                old, title=_or(change.title, old.title), model=_or(change.model, old.model),
+                metadata=dict(_or(change.metadata, old.metadata)), updated_at_ms=updated_at_ms, message_count=count)
             await tx.execute(
                 "UPDATE conversations SET title = ?, model = ?, metadata = ?, message_count = ?, updated_at_ms = ? "
                 "WHERE id = ?", new.title, new.model, json.dumps(new.metadata), count, updated_at_ms, conversation_id)
