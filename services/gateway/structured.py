@@ -40,8 +40,24 @@ def check_schema(schema: Any, param: str) -> dict:
     return schema
 
 
+def closed(schema: Any, in_all_of: bool = False) -> Any:
+    """The schema with every object that lists its properties closed to others (additionalProperties
+    false where it says nothing about them), as xgrammar's strict mode (vLLM's default) reads schemas.
+    Output valid under it is valid under the original; without it a small model fills an open object
+    with invented keys until max_tokens. allOf branches stay open (closing them would conflict)."""
+    if isinstance(schema, list):
+        return [closed(s, in_all_of) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value, key == "allOf") for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict) and not in_all_of and not (
+            {"additionalProperties", "unevaluatedProperties", "patternProperties", "allOf"} & set(schema)):
+        out["additionalProperties"] = False
+    return out
+
+
 def _json_schema_constraint(schema: dict, strict: bool) -> worker_pb2.Constraint:
-    return worker_pb2.Constraint(json_schema=_dumps(schema), strict=strict)
+    return worker_pb2.Constraint(json_schema=_dumps(closed(schema)), strict=strict)
 
 
 @dataclass

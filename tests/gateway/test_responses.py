@@ -103,7 +103,7 @@ def test_text_format_json_schema_goes_upstream(gateway, client):
     client.responses.create(model="fake-model", input="count", text={"format": {
         "type": "json_schema", "name": "count", "schema": schema, "strict": True}})
     sent = gateway.fake.calls[-1].request.constraint
-    assert json.loads(sent.json_schema) == schema and sent.strict
+    assert json.loads(sent.json_schema) == {**schema, "additionalProperties": False} and sent.strict
 
 
 def test_responses_are_private_to_the_organization(gateway, client, key):
@@ -158,3 +158,12 @@ def test_unknown_or_malformed_response_ids_are_404(gateway, key):
         assert_error(reply, 404, "response_not_found", "response_id")
     assert_error(post(gateway, key, {"model": "fake-model", "input": "x", "previous_response_id": "resp_x"},
                       path="/v1/responses"), 404, "response_not_found", "previous_response_id")
+
+
+def test_a_reply_cut_at_max_output_tokens_is_incomplete(gateway, client):
+    whole = client.responses.create(model="fake-model", input="Say hi", max_output_tokens=2)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output_text == "Hello there"
+    events = list(client.responses.create(model="fake-model", input="Say hi", max_output_tokens=2, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from services.gateway.structured import parse_response_format, parse_tools
+from services.gateway.structured import closed, parse_response_format, parse_tools
 from services.gateway.tool_calls import ToolCallParser, parse_whole
 from tests.gateway.harness import GatewayHarness
 from tests.gateway.test_bad_input import assert_error, post
@@ -80,12 +80,12 @@ def test_tool_choice_becomes_the_constraint():
     schema = json.loads(required.constraint().json_schema)
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
-    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == closed(WEATHER["function"]["parameters"])
     assert required.parser_format("llama3_json") == "required"
 
     named = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {"type": "function",
                                                                   "function": {"name": "get_weather"}}})
-    assert json.loads(named.constraint().json_schema) == WEATHER["function"]["parameters"]
+    assert json.loads(named.constraint().json_schema) == closed(WEATHER["function"]["parameters"])
     assert named.parser_format("hermes") == "named"
 
     auto = parse_tools({"tools": [WEATHER]})
@@ -97,6 +97,23 @@ def test_tool_choice_becomes_the_constraint():
         "name": "city", "strict": True, "schema": {"type": "object", "properties": {"name": {"type": "string"}}}}})
     assert fmt.constraint.strict and json.loads(fmt.constraint.json_schema)["properties"] == {"name": {"type": "string"}}
     assert parse_response_format({"type": "json_object"}).constraint.json_object
+
+
+def test_objects_listing_their_properties_are_closed_for_the_grammar():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "free": {"type": "object"},
+        "mixed": {"allOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]},
+        "list": {"type": "array", "items": {"properties": {"c": {"type": "integer"}}}}},
+        "$defs": {"D": {"properties": {"d": {}}}}}
+    got = closed(schema)
+    assert got["additionalProperties"] is False and got["properties"]["a"]["additionalProperties"] is False
+    assert got["properties"]["open"]["additionalProperties"] is True and "additionalProperties" not in got["properties"]["free"]
+    assert all("additionalProperties" not in s for s in got["properties"]["mixed"]["allOf"])
+    assert got["properties"]["list"]["items"]["additionalProperties"] is False
+    assert got["$defs"]["D"]["additionalProperties"] is False
+    assert schema["properties"]["a"] == {"type": "object", "properties": {"b": {"type": "string"}}}   # untouched
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +171,7 @@ def test_required_and_named_send_constraints_and_parse_calls(gateway, key):
                                                                        1: ("get_weather", {"city": "Oslo"})}
     named = client.chat.completions.create(**scripted('{"city": "Rome"}'), tools=[WEATHER, TIME],
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert json.loads(gateway.fake.calls[-1].request.constraint.json_schema) == WEATHER["function"]["parameters"]
+    assert json.loads(gateway.fake.calls[-1].request.constraint.json_schema) == closed(WEATHER["function"]["parameters"])
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
     assert named.choices[0].message.content is None
@@ -180,7 +197,8 @@ def test_response_format_and_prompt_cache_key_and_logit_bias_go_upstream(gateway
     reply = post(gateway, key, body)
     assert reply.status_code == 200 and json.loads(reply.json()["choices"][0]["message"]["content"]) == {"answer": 4}
     sent = gateway.fake.calls[-1].request
-    assert json.loads(sent.constraint.json_schema) == schema and sent.constraint.strict
+    assert json.loads(sent.constraint.json_schema) == {**schema, "additionalProperties": False}
+    assert sent.constraint.strict
     assert sent.affinity_key == "user-42" and dict(sent.sampling.logit_bias) == {15: -100.0}
 
 
