@@ -10,6 +10,7 @@ import json
 from typing import Literal
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -204,3 +205,48 @@ async def test_pydantic_ai_structured_output_agent(platform: Platform):
     for prompt in ("Describe Paris.", "Describe Berlin."):
         result = await agent.run(prompt, model_settings={"temperature": 0, "max_tokens": 100})
         assert isinstance(result.output, City)
+
+
+# -- bad input through the real workers ---------------------------------------------------------------
+
+def test_a_schema_keyword_the_grammar_engine_cannot_enforce(platform: Platform):
+    """strict: refused by the worker's grammar engine, a 400 naming the param and the keyword;
+    not strict: the keyword is ignored and the rest of the schema still holds."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "dependentSchemas": {"a": {"required": ["b"]}}}
+    ask = [{"role": "user", "content": "Give a JSON object with a number a."}]
+
+    def answer(client, strict: bool):
+        return client.chat.completions.create(
+            model=MODEL, messages=ask, max_completion_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": strict}})
+
+    with platform.openai() as client:   # default retries: a 503 while a worker is busy is retried
+        with pytest.raises(openai.BadRequestError) as refused:
+            answer(client, strict=True)
+        error = refused.value.body
+        assert error["param"] == "response_format.json_schema.schema" and "dependentSchemas" in error["message"]
+        lenient = answer(client, strict=False)
+        jsonschema.validate(json.loads(lenient.choices[0].message.content),
+                            {k: v for k, v in schema.items() if k != "dependentSchemas"})
+        tool = {"type": "function", "function": {"name": "f", "strict": True,
+                                                 "parameters": {"type": "object", "not": {"required": ["x"]}}}}
+        with pytest.raises(openai.BadRequestError) as refused:
+            list(client.chat.completions.create(model=MODEL, messages=ask, tools=[tool], tool_choice="required",
+                                                stream=True))
+        assert refused.value.body["param"] == "tools"
+
+
+def test_another_organizations_previous_response_is_not_found(platform: Platform):
+    with platform.openai(max_retries=0) as client:
+        mine = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, **GREEDY)
+    with platform.http(platform.admin_token) as admin:
+        org = admin.post("/admin/v1/organizations", json={"name": "e2e-responses-other"})
+        assert org.status_code == 201, org.text
+        secret = admin.post(f"/admin/v1/organizations/{org.json()['id']}/keys", json={"name": "e2e"}).json()["key"]
+    with platform.http(secret) as other:
+        reply = other.post("/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": mine.id})
+        assert reply.status_code == 404 and reply.json()["error"]["param"] == "previous_response_id", reply.text
+        assert other.get(f"/v1/responses/{mine.id}").status_code == 404
+    with platform.openai(max_retries=0) as client:
+        assert client.responses.retrieve(mine.id).id == mine.id
