@@ -140,12 +140,12 @@ def check_moe(shapes, device, record) -> None:
 
     gen = torch.Generator().manual_seed(0)
     for name, tokens, hidden, intermediate, experts, top_k, renormalize in shapes:
+        x = torch.randn(tokens, hidden, generator=gen)
+        logits = torch.randn(tokens, experts, generator=gen)
+        w_gate_up = torch.randn(experts, 2 * intermediate, hidden, generator=gen) * hidden ** -0.5
+        w_down = torch.randn(experts, hidden, intermediate, generator=gen) * intermediate ** -0.5
         for dtype in (torch.bfloat16, torch.float16):
-            x = torch.randn(tokens, hidden, generator=gen)
-            logits = torch.randn(tokens, experts, generator=gen)
-            w_gate_up = torch.randn(experts, 2 * intermediate, hidden, generator=gen) * hidden ** -0.5
-            w_down = torch.randn(experts, hidden, intermediate, generator=gen) * intermediate ** -0.5
-            stored = [t.to(dtype).to(device) for t in (x, logits, w_gate_up, w_down)]
+            stored = [t.to(device=device, dtype=dtype) for t in (x, logits, w_gate_up, w_down)]
             got = TritonFusedMoE()(*stored, top_k, renormalize)
             expected = TorchFusedMoE()(*(t.float() for t in stored), top_k, renormalize)
             record(f"fused MoE, {tokens} tokens, top {top_k} of {experts}"
