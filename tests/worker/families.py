@@ -96,6 +96,25 @@ def to_4x_layout(src: Path, dst: Path) -> Path:
     return dst
 
 
+def build_family(case: str, cases: dict, tmp_path_factory, tokenizer) -> tuple[str, Path, dict[str, Reference]]:
+    """cases[case] = (model_type, config): -> (case, its checkpoint folder, transformers' greedy
+    reference for each prompt)."""
+    model_type, config = cases[case]
+    folder = tmp_path_factory.mktemp(case)
+    model = save_checkpoint(folder, tokenizer, model_type, **config)
+    return case, folder, {rid: reference_greedy(model, ids) for rid, ids in prompts().items()}
+
+
+def check_4x_layout(folder: Path, references: dict[str, Reference], tmp_path: Path) -> None:
+    """The checkpoint with a 4.x-layout config.json is the same model, giving the reference's tokens."""
+    five, four = load(folder), load(to_4x_layout(folder, tmp_path / "4x"))
+    assert "rope_parameters" not in (tmp_path / "4x" / "config.json").read_text()
+    assert {**vars(four.config), "name": ""} == {**vars(five.config), "name": ""}
+    ours, _ = engine_outputs(four, prompts())
+    for rid, ref in references.items():
+        assert_matches(ours[rid], ref, f"4.x layout {rid}")
+
+
 def reference_greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> Reference:
     """transformers' greedy decoding, one token at a time over its own KV cache."""
     tokens, margins, past, x = [], [], None, torch.tensor([prompt])
@@ -126,7 +145,6 @@ def load(folder: Path) -> LoadedModel:
 ENGINE_SETTINGS = {
     "batched": dict(),
     "chunked-prefill": dict(max_num_batched_tokens=8),
-    "no-prefix-cache": dict(enable_prefix_caching=False),
     "preemption": dict(num_blocks=7),
 }
 

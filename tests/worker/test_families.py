@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worker.families import (WINDOW, assert_matches, check_engine, check_worker, engine_outputs, load, prompts,
-                                   reference_greedy, save_checkpoint, to_4x_layout)
+from tests.worker.families import WINDOW, build_family, check_4x_layout, check_engine, check_worker, load
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ORIGINAL = 48   # pretraining length of the length-dependent scalings: prompts fit, decoding runs past it
@@ -50,10 +49,7 @@ CASES = {
 @pytest.fixture(scope="module", params=list(CASES))
 def family(request, tmp_path_factory, smollm2_tokenizer):
     """-> (case, folder, transformers' greedy references per prompt)."""
-    model_type, config = CASES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    model = save_checkpoint(folder, smollm2_tokenizer, model_type, **config)
-    return request.param, folder, {rid: reference_greedy(model, ids) for rid, ids in prompts().items()}
+    return build_family(request.param, CASES, tmp_path_factory, smollm2_tokenizer)
 
 
 def test_the_config_is_read_as_written(family):
@@ -74,21 +70,13 @@ def test_the_config_is_read_as_written(family):
 
 
 def test_engine_matches_transformers_under_every_setting(family):
-    _, folder, references = family
-    check_engine(load(folder), references)
+    check_engine(load(family[1]), family[2])
 
 
 def test_config_in_the_4x_layout_gives_the_same_model(family, tmp_path):
-    _, folder, references = family
-    five, four = load(folder), load(to_4x_layout(folder, tmp_path / "4x"))
-    assert "rope_parameters" not in (tmp_path / "4x" / "config.json").read_text()
-    assert {**vars(four.config), "name": ""} == {**vars(five.config), "name": ""}
-    ours, _ = engine_outputs(four, prompts())
-    for rid, ref in references.items():
-        assert_matches(ours[rid], ref, f"4.x layout {rid}")
+    check_4x_layout(*family[1:], tmp_path)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text"], indirect=True)
 def test_gemma3_served_by_a_worker_over_grpc(family, tmp_path):
     _, folder, references = family
     check_worker(tmp_path, folder, references)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.worker.families import (WINDOW, assert_matches, check_engine, check_worker, engine_outputs, load,
-                                   prompts, reference_greedy, save_checkpoint, to_4x_layout)
+from tests.worker.families import (WINDOW, build_family, check_4x_layout, check_engine, check_worker, load,
+                                   to_4x_layout)
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {
@@ -26,10 +26,8 @@ CASES = {
 
 @pytest.fixture(scope="module", params=list(CASES))
 def family(request, tmp_path_factory, smollm2_tokenizer):
-    model_type, config = CASES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    model = save_checkpoint(folder, smollm2_tokenizer, model_type, **config)
-    return request.param, folder, {rid: reference_greedy(model, ids) for rid, ids in prompts().items()}
+    """-> (case, folder, transformers' greedy references per prompt)."""
+    return build_family(request.param, CASES, tmp_path_factory, smollm2_tokenizer)
 
 
 def test_the_config_is_read_as_written(family):
@@ -43,17 +41,11 @@ def test_the_config_is_read_as_written(family):
 
 
 def test_engine_matches_transformers_under_every_setting(family):
-    _, folder, references = family
-    check_engine(load(folder), references)
+    check_engine(load(family[1]), family[2])
 
 
 def test_config_in_the_4x_layout_gives_the_same_model(family, tmp_path):
-    _, folder, references = family
-    five, four = load(folder), load(to_4x_layout(folder, tmp_path / "4x"))
-    assert {**vars(four.config), "name": ""} == {**vars(five.config), "name": ""}
-    ours, _ = engine_outputs(four, prompts())
-    for rid, ref in references.items():
-        assert_matches(ours[rid], ref, f"4.x layout {rid}")
+    check_4x_layout(*family[1:], tmp_path)
 
 
 def test_stacked_experts_load_as_the_per_expert_ones(family, tmp_path):
