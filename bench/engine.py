@@ -47,13 +47,14 @@ CORPUS = (
 ) * 80
 
 
-def workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """n (prompt ids, output length) pairs: prompts 20-600 tokens, outputs 16-256."""
+def workload(tokenizer, n: int, seed: int = 0, prompt_tokens: tuple[int, int] = (20, 600),
+             output_tokens: tuple[int, int] = (16, 256)) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length) pairs: prompts 20-600 tokens, outputs 16-256 (by default)."""
     rng = random.Random(seed)
     corpus = tokenizer.encode(CORPUS)
     out = []
     for _ in range(n):
-        plen, olen = rng.randint(20, 600), rng.randint(16, 256)
+        plen, olen = rng.randint(*prompt_tokens), rng.randint(*output_tokens)
         start = rng.randint(0, len(corpus) - plen - 1)
         out.append((corpus[start:start + plen], olen))
     return out
@@ -155,13 +156,18 @@ async def grpc_streams(address: str, model: str, n: int, max_tokens: int) -> dic
     return dict(tps=total / elapsed, ttft_p50=percentile(ttfts, 50), ttft_p95=percentile(ttfts, 95), seconds=elapsed)
 
 
-def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int]) -> dict | None:
-    """llama-cpp-python's OpenAI server on the same GGUF, if installed (an optional peer): the same
-    chat prompts as grpc_streams, greedy, end-of-sequence tokens banned as ignore_eos does."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return None
+def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int],
+                   prompts: list[tuple[str, int]] | None = None, python: str | None = None) -> dict | None:
+    """llama-cpp-python's OpenAI server on the same GGUF, if installed (an optional peer; `python`:
+    an interpreter that has it, by default this one): the same chat prompts as grpc_streams (or
+    `prompts`, (text, max tokens) pairs), all sent at once, greedy, end-of-sequence tokens banned as
+    ignore_eos does."""
+    if python is None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            return None
+    prompts = prompts or [(f"Write a paragraph about {TOPICS[i % len(TOPICS)]}.", max_tokens) for i in range(n)]
     import subprocess
     import urllib.request
 
@@ -170,7 +176,7 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int])
     from tests.procs import free_port
     port = free_port()
     # By default a new request interrupts the running one; queue them instead, so every stream completes.
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
+    proc = subprocess.Popen([python or sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
                              "--n_ctx", "4096", "--interrupt_requests", "False"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/v1"
@@ -188,9 +194,8 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int])
         async def run_all():
             client = openai.AsyncOpenAI(base_url=base, api_key="x")
 
-            async def one(i):
+            async def one(prompt: str, max_tokens: int):
                 t0, ttft, tokens = time.perf_counter(), None, 0
-                prompt = f"Write a paragraph about {TOPICS[i % len(TOPICS)]}."
                 stream = await client.chat.completions.create(
                     model="x", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                     stream=True, temperature=0,
@@ -201,13 +206,14 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int])
                         tokens += 1
                 return ttft or 0.0, tokens
             t0 = time.perf_counter()
-            res = await asyncio.gather(*(one(i) for i in range(n)))
+            res = await asyncio.gather(*(one(p, m) for p, m in prompts))
             return res, time.perf_counter() - t0
 
         res, elapsed = asyncio.run(run_all())
-        if any(tokens < max_tokens for _, tokens in res):
+        if any(tokens < m for (_, tokens), (_, m) in zip(res, prompts)):
             raise RuntimeError(f"llama_cpp.server cut streams short: {[tokens for _, tokens in res]} tokens")
-        return dict(tps=sum(r[1] for r in res) / elapsed, ttft_p95=percentile([r[0] for r in res], 95))
+        return dict(tps=sum(r[1] for r in res) / elapsed, ttft_p95=percentile([r[0] for r in res], 95),
+                    tokens=sum(r[1] for r in res), seconds=elapsed)
     finally:
         proc.kill()
 

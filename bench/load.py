@@ -1,18 +1,25 @@
-"""Load benchmark: open-loop Poisson arrivals at rising rates through the gateway (`make bench-load`).
+"""make bench-load: admission through `make run` under bursts, open-loop load and competing
+organizations, against the peers, in one run.
 
-Starts the platform on free loopback ports (two CPU workers, router, conversations, one gateway with
-a small overload guard), measures an unloaded baseline with one request at a time, then offers each
-rate for a fixed time. Arrivals do not wait for answers (open loop), so past saturation the excess
-must be shed by the gateway (429) rather than queue without bound. Per rate: TTFT p50/p95 of short
-streamed prompts, per-stream decode speed, 429 count and how fast a 429 comes back.
+Starts `make run` (deploy/local/run.py on shifted ports, fresh SQLite files) unless --url is given,
+then:
+1. Burst: 32 mixed chat requests (prompts of 20-400 tokens cut from real text, answers of 16-160,
+   end-of-sequence banned so every answer has its length) sent at once with the openai SDK and its
+   default retries, to the default model and to the int8 pool. Served, refused, aggregate tokens/s,
+   TTFT p95; the same prompts and lengths through transformers' generate in static batches of 8
+   and through llama-cpp-python's OpenAI server on the same GGUF (bench/engine.py's peers).
+2. Open loop: Poisson arrivals of the same mix at 0.5x, 1x, 2x and 4x the capacity the burst
+   measured (requests/s): admitted TTFT p95 against unloaded, per-stream speed against the target,
+   goodput (tokens/s of requests that met both targets), refusals and how fast they came back.
+3. Fairness: one organization flooding with 24 concurrent streams while a second sends one short
+   chat at a time (its refusals and TTFT p95 against its unloaded TTFT); two organizations of equal
+   weight flooding together, then with weights 2:1 (shares of the tokens streamed).
 
-    python -m bench.load [--rates 0.5,1,2,4,8] [--seconds 20] [--max-tokens 32]
-                         [--max-in-flight 2 --max-queued 0 --queue-timeout 0.25] [--name load]
-                         [--url URL --key KEY]
+    python -m bench.load [--url URL --key KEY] [--port-offset 2000] [--seconds 30]
+                         [--llama-python PATH] [--parts burst,poisson,fairness,peers]
 
-With --url/--key it targets a running platform (`make run`) instead of starting one. Writes
-docs/perf/load.md (table) and docs/perf/load.png (plot). On a shared 2-core machine absolute numbers
-are inflated; the ratios (admitted TTFT p95 against the unloaded one) are what to compare.
+Writes docs/perf/load.md and docs/perf/load.json. The machine is a shared 2-core VM: absolute
+figures move with what else runs, the ratios measured in one run are what to compare.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -28,70 +39,53 @@ from pathlib import Path
 
 import aiohttp
 
-MODEL = "smollm2-135m-instruct"
-OUT = Path(__file__).resolve().parents[1] / "docs" / "perf"
-TTFT_LIMIT_S = 1.0
-SPEED_FLOOR = 20.0     # tokens/s per stream
+from bench.engine import llama_cpp_peer, run_transformers, workload
+from bench.timing import percentile
 
-def overload_settings(args: argparse.Namespace) -> dict[str, str]:
-    """The gateway's overload guard (LLMSERVE_GATEWAY__OVERLOAD__*): what decides who gets a 429."""
-    return {"overload__max_in_flight_per_model": str(args.max_in_flight),
-            "overload__max_queued_per_model": str(args.max_queued),
-            "overload__queue_timeout_s": str(args.queue_timeout)}
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "docs" / "perf"
+MODEL, INT8_MODEL = "smollm2-135m-instruct", "smollm2-135m-instruct-int8"
+ADMIN_TOKEN = os.environ.get("LLMSERVE_ADMIN_TOKEN", "admin-local-dev")
+EOS_BAN = {"2": -100}   # SmolLM2's <|im_end|>: answers run to their max_tokens, as the peers' do
+
+
+# -- the workload --------------------------------------------------------------------------------
+
+def mixed_prompts(tokenizer, n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """n (chat message, answer tokens) pairs: messages of 20-400 tokens, answers of 16-160."""
+    return [(tokenizer.decode(ids), olen) for ids, olen in workload(tokenizer, n, seed, (20, 400), (16, 160))]
 
 
 @dataclass
 class Result:
     status: int
-    ttft_s: float | None = None        # first content chunk
-    latency_s: float = 0.0             # whole response (for refusals: how fast the 429 came)
+    ttft_s: float | None = None
+    latency_s: float = 0.0         # the whole response; for a refusal, how fast it came
     tokens: int = 0
-    decode_s: float = 0.0              # first to last content chunk
+    decode_s: float = 0.0          # first to last content chunk
+    retry_after: bool = False
+    org: str = ""
+    chunk_times: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float | None:
         return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else None
 
 
-@dataclass
-class RateReport:
-    rate: float
-    offered: int
-    results: list[Result] = field(default_factory=list)
-
-    def ok(self) -> list[Result]:
-        return [r for r in self.results if r.status == 200 and r.ttft_s is not None]
-
-    def summary(self) -> dict:
-        ok = self.ok()
-        ttfts = [r.ttft_s for r in ok]
-        speeds = [r.tokens_per_s for r in ok if r.tokens_per_s]
-        refused = [r for r in self.results if r.status == 429]
-        return {"rate": self.rate, "offered": self.offered, "ok": len(ok), "429": len(refused),
-                "errors": len(self.results) - len(ok) - len(refused),
-                "ttft_p50": pct(ttfts, 50), "ttft_p95": pct(ttfts, 95),
-                "tok_s_p50": pct(speeds, 50), "tok_s_p5": pct(speeds, 5),
-                "refusal_p95_ms": 1000 * pct([r.latency_s for r in refused], 95) if refused else None}
-
-
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-
-async def one(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> Result:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Question {i}: name a color and a fruit."}],
-            "max_completion_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def stream_once(session: aiohttp.ClientSession, url: str, key: str, model: str, prompt: str,
+                      max_tokens: int, org: str = "") -> Result:
+    """One streamed chat over plain HTTP (no retries: refusals are counted, not hidden)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_completion_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": EOS_BAN}
     start = time.monotonic()
     try:
-        async with session.post(url, json=body) as response:
+        async with session.post(url + "/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {key}"}) as response:
             if response.status != 200:
                 await response.read()
-                return Result(response.status, latency_s=time.monotonic() - start)
-            result, last = Result(200), None
+                return Result(response.status, latency_s=time.monotonic() - start, org=org,
+                              retry_after="Retry-After" in response.headers)
+            result = Result(200, org=org)
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
@@ -99,170 +93,358 @@ async def one(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int)
                 if chunk.get("error"):
                     result.status = 500
                 if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                    last = time.monotonic()
+                    now = time.monotonic()
+                    result.chunk_times.append(now)
                     if result.ttft_s is None:
-                        result.ttft_s, first = last - start, last
+                        result.ttft_s = now - start
                 if chunk.get("usage"):
                     result.tokens = chunk["usage"]["completion_tokens"]
             result.latency_s = time.monotonic() - start
-            result.decode_s = (last - first) if result.ttft_s is not None else 0.0
+            if len(result.chunk_times) > 1:
+                result.decode_s = result.chunk_times[-1] - result.chunk_times[0]
             return result
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return Result(0, latency_s=time.monotonic() - start)
+        return Result(0, latency_s=time.monotonic() - start, org=org)
 
 
-async def offer(session: aiohttp.ClientSession, url: str, rate: float, seconds: float, max_tokens: int,
-                rng: random.Random) -> RateReport:
-    """Poisson arrivals at `rate` per second for `seconds`; waits for the stragglers (bounded)."""
-    tasks, t, i = [], 0.0, 0
+# -- 1. burst --------------------------------------------------------------------------------------
+
+async def burst(url: str, key: str, model: str, prompts: list[tuple[str, int]]) -> dict:
+    """All at once through the openai SDK with its default retries (twice, honouring Retry-After)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, timeout=600)
+
+    async def one(prompt: str, max_tokens: int):
+        t0, ttft = time.perf_counter(), None
+        try:
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_completion_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True}, logit_bias=EOS_BAN)
+            tokens = 0
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content and ttft is None:
+                    ttft = time.perf_counter() - t0
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            return "ok", ttft, tokens
+        except openai.RateLimitError:
+            return "refused", None, 0
+        except openai.APIError as e:
+            return f"error {type(e).__name__}", None, 0
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(p, m) for p, m in prompts))
+    elapsed = time.perf_counter() - t0
+    await client.close()
+    ok = [r for r in results if r[0] == "ok"]
+    tokens = sum(r[2] for r in ok)
+    return dict(model=model, requests=len(prompts), served=len(ok), refused=sum(r[0] == "refused" for r in results),
+                errors=sorted({r[0] for r in results} - {"ok", "refused"}), tokens=tokens, seconds=elapsed,
+                tps=tokens / elapsed, requests_per_s=len(ok) / elapsed,
+                ttft_p50=percentile([r[1] for r in ok if r[1]], 50), ttft_p95=percentile([r[1] for r in ok if r[1]], 95))
+
+
+def transformers_burst(tokenizer, prompts: list[tuple[str, int]]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.worker.model.gguf_loader import smollm2_gguf_path
+    path = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+    requests = [(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])), m)
+                for p, m in prompts]
+    return run_transformers(hf, requests)
+
+
+# -- 2. open loop ----------------------------------------------------------------------------------
+
+async def poisson(session, url, key, prompts, rate: float, seconds: float, rng: random.Random) -> list[Result]:
+    tasks, t = [], 0.0
     start = time.monotonic()
     while True:
         t += rng.expovariate(rate)
         if t > seconds:
             break
         await asyncio.sleep(max(0.0, start + t - time.monotonic()))
-        tasks.append(asyncio.create_task(one(session, url, i, max_tokens)))
-        i += 1
-    report = RateReport(rate, len(tasks))
-    done, pending = await asyncio.wait(tasks, timeout=120) if tasks else (set(), set())
+        prompt, max_tokens = prompts[len(tasks) % len(prompts)]
+        tasks.append(asyncio.create_task(stream_once(session, url, key, MODEL, prompt, max_tokens)))
+    done, pending = await asyncio.wait(tasks, timeout=300) if tasks else (set(), set())
     for task in pending:
         task.cancel()
-    report.results = [t.result() for t in done] + [Result(0) for _ in pending]
+    return [t.result() for t in done] + [Result(0) for _ in pending]
+
+
+def open_loop_row(rate: float, factor: float, results: list[Result], seconds: float, unloaded_ttft: float,
+                  ttft_target: float, speed_target: float) -> dict:
+    ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
+    refused = [r for r in results if r.status == 429]
+    good = [r for r in ok if r.ttft_s <= ttft_target and (r.tokens_per_s or 0) >= speed_target]
+    ttft_p95 = percentile([r.ttft_s for r in ok], 95) if ok else None
+    return dict(factor=factor, rate=rate, offered=len(results), ok=len(ok), refused=len(refused),
+                errors=len(results) - len(ok) - len(refused),
+                ttft_p50=percentile([r.ttft_s for r in ok], 50) if ok else None, ttft_p95=ttft_p95,
+                ttft_p95_over_unloaded=ttft_p95 / unloaded_ttft if ttft_p95 and unloaded_ttft else None,
+                speed_p5=percentile([r.tokens_per_s for r in ok if r.tokens_per_s], 5) if ok else None,
+                speed_p50=percentile([r.tokens_per_s for r in ok if r.tokens_per_s], 50) if ok else None,
+                goodput=sum(r.tokens for r in good) / seconds,
+                refusal_p95_ms=1000 * percentile([r.latency_s for r in refused], 95) if refused else None,
+                refusals_with_retry_after=sum(r.retry_after for r in refused))
+
+
+async def open_loop(url: str, key: str, prompts, capacity: float, seconds: float, targets: dict) -> dict:
+    rng = random.Random(1)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        unloaded = [await stream_once(session, url, key, MODEL, p, m) for p, m in prompts[:6]]
+        unloaded_ttft = percentile([r.ttft_s for r in unloaded if r.ttft_s], 95)
+        rows = []
+        for factor in (0.5, 1, 2, 4):
+            results = await poisson(session, url, key, prompts, capacity * factor, seconds, rng)
+            rows.append(open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft,
+                                      targets["ttft_target_s"], targets["stream_tokens_per_s"]))
+            print("open loop", json.dumps(rows[-1]), flush=True)
+    return dict(capacity_rps=capacity, unloaded_ttft_p95=unloaded_ttft,
+                unloaded_speed_p50=percentile([r.tokens_per_s for r in unloaded if r.tokens_per_s], 50), rows=rows)
+
+
+# -- 3. fairness -----------------------------------------------------------------------------------
+
+class Admin:
+    def __init__(self, session: aiohttp.ClientSession, url: str):
+        self.session, self.url = session, url
+
+    async def call(self, method: str, path: str, body: dict) -> dict:
+        async with self.session.request(method, self.url + path, json=body,
+                                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
+            reply = await r.json()
+            if r.status >= 300:
+                raise RuntimeError(f"admin {method} {path}: {r.status} {reply}")
+            return reply
+
+    async def org_key(self, name: str) -> tuple[str, str]:
+        org = await self.call("POST", "/admin/v1/organizations", {"name": name})
+        key = await self.call("POST", f"/admin/v1/organizations/{org['id']}/keys", {"name": name})
+        return org["id"], key["key"]
+
+
+async def flood(session, url, key, org, prompts, streams: int, until: float, results: list[Result]) -> None:
+    async def loop(i: int):
+        while time.monotonic() < until:
+            prompt, max_tokens = prompts[i % len(prompts)]
+            results.append(await stream_once(session, url, key, MODEL, prompt, max_tokens, org))
+            i += streams
+    await asyncio.gather(*(loop(i) for i in range(streams)))
+
+
+def tokens_between(results: list[Result], start: float, end: float) -> int:
+    return sum(sum(1 for t in r.chunk_times if start <= t <= end) for r in results)
+
+
+async def fairness(url: str, prompts, seconds: float) -> dict:
+    short = [(p[:120], 16) for p, _ in prompts]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        admin = Admin(session, url)
+        (a_id, a_key), (b_id, b_key) = await admin.org_key("flood-a"), await admin.org_key("flood-b")
+        report: dict = {}
+
+        # One organization floods, the other sends one short chat at a time.
+        alone = [await stream_once(session, url, b_key, MODEL, p, m, "B") for p, m in short[:6]]
+        flood_results: list[Result] = []
+        until = time.monotonic() + seconds
+        flooding = asyncio.create_task(flood(session, url, a_key, "A", prompts, 24, until, flood_results))
+        await asyncio.sleep(min(5.0, seconds / 4))             # the flood fills the pool first
+        polite: list[Result] = []
+        while time.monotonic() < until:
+            polite.append(await stream_once(session, url, b_key, MODEL, *short[len(polite) % len(short)], "B"))
+        await flooding
+        unloaded = percentile([r.ttft_s for r in alone if r.ttft_s], 95)
+        loaded = percentile([r.ttft_s for r in polite if r.ttft_s], 95)
+        report["flood_vs_one_at_a_time"] = dict(
+            b_requests=len(polite), b_refused=sum(r.status == 429 for r in polite),
+            b_errors=sum(r.status not in (200, 429) for r in polite), b_unloaded_ttft_p95=unloaded,
+            b_ttft_p95=loaded, b_ttft_ratio=loaded / unloaded if unloaded else None,
+            a_requests=len(flood_results), a_refused=sum(r.status == 429 for r in flood_results))
+        print("fairness", json.dumps(report["flood_vs_one_at_a_time"]), flush=True)
+
+        for label, weight_a in (("equal_weights", 1.0), ("weights_2_to_1", 2.0)):
+            await admin.call("PATCH", f"/admin/v1/organizations/{a_id}", {"weight": weight_a})
+            await asyncio.sleep(6)                             # auth.cache_ttl_s: keys see the new weight
+            a_res, b_res = [], []
+            start = time.monotonic()
+            until = start + seconds
+            await asyncio.gather(flood(session, url, a_key, "A", prompts, 24, until, a_res),
+                                 flood(session, url, b_key, "B", prompts, 24, until, b_res))
+            window = (start + min(5.0, seconds / 4), until)   # after both filled their share
+            a_tokens, b_tokens = tokens_between(a_res, *window), tokens_between(b_res, *window)
+            report[label] = dict(weight_a=weight_a, a_tokens=a_tokens, b_tokens=b_tokens,
+                                 ratio=a_tokens / b_tokens if b_tokens else None,
+                                 refused=sum(r.status == 429 for r in a_res + b_res))
+            print("fairness", label, json.dumps(report[label]), flush=True)
     return report
 
 
-async def baseline(session: aiohttp.ClientSession, url: str, max_tokens: int, n: int = 6) -> RateReport:
-    report = RateReport(0.0, n)
-    for i in range(n):
-        report.results.append(await one(session, url, 10_000 + i, max_tokens))
-    return report
+# -- the platform and the report ------------------------------------------------------------------
+
+def start_make_run(tmp: Path, port_offset: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, str(REPO / "deploy" / "local" / "run.py"), "--port-offset",
+                             str(port_offset), "--var-dir", str(tmp / "var"), "--run-dir", str(tmp / "run")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:
+        print("make run:", line.rstrip(), flush=True)
+        if "Ctrl-C stops everything" in line:
+            return proc, f"http://127.0.0.1:{8080 + port_offset}"
+    raise RuntimeError(f"make run exited with {proc.wait()}")
 
 
-async def run(url: str, key: str, rates: list[float], seconds: float, max_tokens: int) -> list[dict]:
-    headers = {"Authorization": f"Bearer {key}"}
-    timeout = aiohttp.ClientTimeout(total=180)
-    connector = aiohttp.TCPConnector(limit=0)
-    rng = random.Random(0)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
-        await baseline(session, url, max_tokens, 2)                 # warm-up, not reported
-        rows = [(await baseline(session, url, max_tokens)).summary()]
-        print(fmt_row(rows[0]), flush=True)
-        for rate in rates:
-            rows.append((await offer(session, url, rate, seconds, max_tokens, rng)).summary())
-            print(fmt_row(rows[-1]), flush=True)
-    return rows
+def stop_make_run(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)   # the launcher stops its services
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
-def fmt(v, scale=1.0, digits=2) -> str:
-    return "-" if v is None else f"{v * scale:.{digits}f}"
+def _f(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
-def fmt_row(r: dict) -> str:
-    rate = "unloaded" if r["rate"] == 0 else f"{r['rate']:g}/s"
-    return (f"| {rate} | {r['offered']} | {r['ok']} | {r['429']} | {r['errors']} | {fmt(r['ttft_p50'])} | "
-            f"{fmt(r['ttft_p95'])} | {fmt(r['tok_s_p50'], digits=1)} | {fmt(r['tok_s_p5'], digits=1)} | "
-            f"{fmt(r['refusal_p95_ms'], digits=0)} |")
+def render(d: dict) -> str:
+    """docs/perf/load.md from the figures."""
+    t = d.get("targets", {})
+    lines = ["# Load: admission through `make run`", "",
+             f"`make bench-load` (python -m bench.load), platform parts started {d.get('started', '?')}, peers "
+             f"{d.get('peers_started', 'not run')}. `make run` as it ships: the float32 worker on every core, the "
+             f"int8 pool on one thread, the gateway admitting from the workers' reports with the CPU targets "
+             f"(first token {t.get('ttft_target_s')} s, {t.get('stream_tokens_per_s')} tokens/s per stream, queue "
+             f"wait at most {t.get('queue_timeout_s')} s). Mixed chat: prompts of 20-400 tokens, answers of 16-160 "
+             "(end-of-sequence banned, so each answer has its length), greedy, streamed. A shared 2-core VM: "
+             "absolute figures move with what else runs; compare the ratios of one run.", ""]
+    burst = d.get("burst") or []
+    hf, llama = d.get("transformers"), d.get("llama_cpp")
+    if burst:
+        lines += ["## Burst: 32 at once with the openai SDK (default retries)", "",
+                  "| model | served | refused | tokens/s | TTFT p50 (s) | TTFT p95 (s) | vs transformers | vs llama.cpp |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for b in burst:
+            vs_hf = _f(b["tps"] / hf["tps"]) + "x" if hf and hf.get("tps") else "-"
+            vs_ll = _f(b["tps"] / llama["tps"]) + "x" if llama and llama.get("tps") else "-"
+            lines.append(f"| {b['model']} | {b['served']}/{b['requests']} | {b['refused']} | {_f(b['tps'], 1)} | "
+                         f"{_f(b['ttft_p50'])} | {_f(b['ttft_p95'])} | {vs_hf} | {vs_ll} |")
+        if hf:
+            lines.append(f"| transformers, static batches of 8 | | | {_f(hf['tps'], 1)} | | | | |")
+        if llama and llama.get("tps"):
+            lines.append(f"| llama-cpp-python server (Q4_1 GGUF) | | | {_f(llama['tps'], 1)} | | "
+                         f"{_f(llama['ttft_p95'])} | | |")
+        elif llama:
+            lines.append(f"| llama-cpp-python server | not measured: {llama.get('error')} | | | | | | |")
+        lines.append("")
+    loop = d.get("open_loop")
+    if loop:
+        lines += ["## Open loop: Poisson arrivals at multiples of the burst's measured capacity", "",
+                  f"Capacity {_f(loop['capacity_rps'], 3)} requests/s; unloaded TTFT p95 {_f(loop['unloaded_ttft_p95'])} s, "
+                  f"per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
+                  "| load | req/s | offered | ok | 429 | errors | TTFT p95 (s) | TTFT p95 / unloaded | speed p5 | "
+                  "goodput (tok/s) | 429 p95 (ms) | 429 with Retry-After |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in loop["rows"]:
+            lines.append(f"| {r['factor']:g}x | {_f(r['rate'], 3)} | {r['offered']} | {r['ok']} | {r['refused']} | "
+                         f"{r['errors']} | {_f(r['ttft_p95'])} | {_f(r['ttft_p95_over_unloaded'])} | "
+                         f"{_f(r['speed_p5'], 1)} | {_f(r['goodput'], 1)} | {_f(r['refusal_p95_ms'], 0)} | "
+                         f"{r['refusals_with_retry_after']} |")
+        best = max((r["goodput"] for r in loop["rows"]), default=0)
+        for r in loop["rows"]:
+            if r["factor"] >= 2 and best:
+                lines.append(f"- {r['factor']:g}x: goodput {_f(100 * r['goodput'] / best, 0)}% of the best rate's.")
+        lines.append("")
+    fair = d.get("fairness")
+    if fair:
+        f1 = fair["flood_vs_one_at_a_time"]
+        lines += ["## Fairness between organizations", "",
+                  f"- One organization flooding with 24 concurrent streams ({f1['a_requests']} requests, "
+                  f"{f1['a_refused']} refused), a second sending one short chat at a time: {f1['b_requests']} "
+                  f"requests, {f1['b_refused']} refused, {f1['b_errors']} errors; its TTFT p95 {_f(f1['b_ttft_p95'])} s "
+                  f"against {_f(f1['b_unloaded_ttft_p95'])} s unloaded = {_f(f1['b_ttft_ratio'])}x."]
+        for label, want in (("equal_weights", 1.0), ("weights_2_to_1", 2.0)):
+            r = fair.get(label)
+            if r:
+                lines.append(f"- {label.replace('_', ' ')}: tokens streamed A {r['a_tokens']}, B {r['b_tokens']}: "
+                             f"A/B = {_f(r['ratio'])} (wanted {want:g}), {r['refused']} refused.")
+        lines.append("")
+    return "\n".join(lines)
 
 
-def findings(rows: list[dict]) -> list[str]:
-    unloaded, loaded = rows[0], rows[1:]
-    crossing = next((r["rate"] for r in loaded if (r["ttft_p95"] or 0) > TTFT_LIMIT_S), None)
-    slow = next((r["rate"] for r in loaded if r["tok_s_p50"] is not None and r["tok_s_p50"] < SPEED_FLOOR), None)
-    lines = [f"- Unloaded TTFT p95: {fmt(unloaded['ttft_p95'])} s, per-stream speed p50 "
-             f"{fmt(unloaded['tok_s_p50'], digits=1)} tokens/s.",
-             f"- TTFT p95 crosses {TTFT_LIMIT_S:g} s at: {f'{crossing:g} req/s' if crossing else 'no rate tried'}.",
-             f"- Per-stream speed p50 drops under {SPEED_FLOOR:g} tokens/s at: "
-             f"{f'{slow:g} req/s' if slow else 'no rate tried'}."]
-    shedding = [r for r in loaded if r["429"]]
-    for r in shedding:
-        ratio = (r["ttft_p95"] / unloaded["ttft_p95"]) if r["ttft_p95"] and unloaded["ttft_p95"] else None
-        lines.append(f"- At {r['rate']:g} req/s: {r['429']} of {r['offered']} refused with 429 "
-                     f"(p95 {fmt(r['refusal_p95_ms'], digits=0)} ms); admitted TTFT p95 = {fmt(ratio)} x unloaded "
-                     f"({'within' if ratio is not None and ratio <= 2 else 'NOT within'} 2x).")
-    if not shedding:
-        lines.append("- No rate tried was high enough for the gateway to shed load (no 429).")
-    return lines
-
-
-def write_report(rows: list[dict], args: argparse.Namespace, elapsed_s: float) -> None:
+def write_report(data: dict) -> None:
+    """docs/perf/load.json: this run's parts replace the same parts of the last one; load.md from it."""
     OUT.mkdir(parents=True, exist_ok=True)
-    header = ("| offered rate | requests | ok | 429 | errors | TTFT p50 (s) | TTFT p95 (s) | tokens/s p50 | "
-              "tokens/s p5 | 429 p95 (ms) |\n|---|---|---|---|---|---|---|---|---|---|")
-    text = "\n".join([
-        "# Load: open-loop Poisson arrivals through the gateway", "",
-        f"`make bench-load` (python -m bench.load --rates {','.join(f'{r:g}' for r in args.rates)} "
-        f"--seconds {args.seconds:g} --max-tokens {args.max_tokens}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{elapsed_s:.0f} s. Two SmolLM2-135M CPU workers (one torch thread each) behind the router, one gateway "
-        f"with overload guard {json.dumps({k.split('__')[1]: v for k, v in overload_settings(args).items()})}. "
-        "Short chat prompts, streamed, greedy. The machine is a shared 2-core VM: absolute times are inflated, "
-        "compare ratios.", "", header, *[fmt_row(r) for r in rows], "", f"![load]({args.name}.png)", "", *findings(rows), ""])
-    (OUT / f"{args.name}.md").write_text(text)
-    (OUT / f"{args.name}.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, OUT / f"{args.name}.png")
-    print(text)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    loaded = rows[1:]
-    rates = [r["rate"] for r in loaded]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
-    ax1.plot(rates, [r["ttft_p50"] or float("nan") for r in loaded], "o-", label="p50")
-    ax1.plot(rates, [r["ttft_p95"] or float("nan") for r in loaded], "s-", label="p95")
-    ax1.axhline(TTFT_LIMIT_S, color="grey", ls="--", label=f"{TTFT_LIMIT_S:g} s")
-    if rows[0]["ttft_p95"]:
-        ax1.axhline(2 * rows[0]["ttft_p95"], color="red", ls=":", label="2 x unloaded p95")
-    ax1.set(xscale="log", xlabel="offered rate (req/s)", ylabel="TTFT (s)", title="time to first token")
-    ax2.plot(rates, [r["tok_s_p50"] or float("nan") for r in loaded], "o-", label="p50")
-    ax2.plot(rates, [r["tok_s_p5"] or float("nan") for r in loaded], "s-", label="p5")
-    ax2.axhline(SPEED_FLOOR, color="grey", ls="--", label=f"{SPEED_FLOOR:g} tokens/s")
-    ax2.set(xscale="log", xlabel="offered rate (req/s)", ylabel="tokens/s per stream", title="decode speed")
-    ax3.bar([str(f"{r:g}") for r in rates], [r["ok"] for r in loaded], label="ok")
-    ax3.bar([str(f"{r:g}") for r in rates], [r["429"] for r in loaded], bottom=[r["ok"] for r in loaded], label="429")
-    ax3.set(xlabel="offered rate (req/s)", ylabel="requests", title="admitted vs shed")
-    for ax in (ax1, ax2, ax3):
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def start_platform(tmp: Path, args: argparse.Namespace):
-    from tests.reliability.clients import Admin
-    from tests.reliability.platform import launch
-
-    platform = launch(tmp, num_workers=2, num_gateways=1, **overload_settings(args))
-    return platform, Admin(platform.gateway_url).new_org("load")[2]
+    path = OUT / "load.json"
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        earlier = {}
+    data = {**(earlier if isinstance(earlier, dict) else {}), **data}
+    path.write_text(json.dumps(data, indent=1))
+    (OUT / "load.md").write_text(render(data))
+    print(json.dumps(data, indent=1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1, 2, 4, 8])
-    parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-in-flight", type=int, default=2, help="gateway overload guard, per model")
-    parser.add_argument("--max-queued", type=int, default=0, help="gateway overload guard queue, per model")
-    parser.add_argument("--queue-timeout", type=float, default=0.25, help="seconds a queued request may wait")
-    parser.add_argument("--name", default="load", help="report name under docs/perf/ (.md, .png, .json)")
-    parser.add_argument("--url", help="gateway base URL of a running platform (default: start one)")
-    parser.add_argument("--key", help="API key for --url")
+    parser.add_argument("--url", help="gateway base URL of a running `make run` (default: start one)")
+    parser.add_argument("--key", default=os.environ.get("LLMSERVE_DEV_API_KEY", "sk-local-dev"))
+    parser.add_argument("--port-offset", type=int, default=2000, help="for the `make run` this starts")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=30, help="per open-loop rate and fairness phase")
+    parser.add_argument("--parts", default="burst,poisson,fairness,peers")
+    parser.add_argument("--capacity", type=float, default=0.5, help="requests/s, when the burst is not run")
+    parser.add_argument("--llama-python", help="a Python with llama-cpp-python[server] (default: this one)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+
+    from services.gateway.config import GatewayConfig
+    from services.worker.model.gguf_loader import smollm2_gguf_path
+    from services.worker.model.loader import smollm2_tokenizer
+
+    sys.path.insert(0, str(REPO / "deploy" / "local"))
+    import run as make_run   # the targets `make run` gives the gateway
+    overload = next(s.config.overload for s in make_run.plan({}) if isinstance(s.config, GatewayConfig))
+    targets = dict(ttft_target_s=overload.ttft_target_s, stream_tokens_per_s=overload.stream_tokens_per_s,
+                   queue_timeout_s=overload.queue_timeout_s)
+    tokenizer = smollm2_tokenizer()
+    prompts = mixed_prompts(tokenizer, args.requests)
+    data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), targets=targets,
+                      requests=args.requests, seconds=args.seconds)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
-        platform = None
-        if args.url:
-            url, key = args.url, args.key
-        else:
-            platform, key = start_platform(Path(tmp), args)
-            url = platform.gateway_url
+        needs_platform = parts & {"burst", "poisson", "fairness"}
+        proc, url = (None, args.url) if args.url or not needs_platform else start_make_run(Path(tmp), args.port_offset)
         try:
-            rows = asyncio.run(run(url + "/v1/chat/completions", key, args.rates, args.seconds, args.max_tokens))
+            if "burst" in parts:
+                data["burst"] = [asyncio.run(burst(url, args.key, m, prompts)) for m in (MODEL, INT8_MODEL)]
+                for row in data["burst"]:
+                    print("burst", json.dumps(row), flush=True)
+            capacity = data["burst"][0]["requests_per_s"] if "burst" in data else args.capacity
+            if "poisson" in parts:
+                data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, capacity, args.seconds, targets))
+            if "fairness" in parts:
+                data["fairness"] = asyncio.run(fairness(url, prompts, args.seconds))
         finally:
-            if platform is not None:
-                platform.stop()
-    write_report(rows, args, time.monotonic() - started)
+            if proc is not None:
+                stop_make_run(proc)
+    data["seconds_total"] = time.monotonic() - started
+    write_report(data)
+    if "peers" in parts:   # after the platform stopped: the peers get the machine
+        peers: dict = {"peers_started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        try:
+            peers["llama_cpp"] = llama_cpp_peer(str(smollm2_gguf_path()), 0, 0, tokenizer.eos_token_ids,
+                                                prompts=prompts, python=args.llama_python)
+        except RuntimeError as e:
+            peers["llama_cpp"] = {"error": str(e)}
+        print("llama-cpp", json.dumps(peers["llama_cpp"]), flush=True)
+        peers["transformers"] = transformers_burst(tokenizer, prompts)
+        print("transformers", json.dumps(peers["transformers"]), flush=True)
+        write_report(peers)
 
 
 if __name__ == "__main__":
