@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-gpu bench-spec bench-gateway bench-router bench-load lint clean
+.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-gpu bench-spec bench-gateway bench-router bench-load images test-images docker-tools lint clean
 
 install: $(STAMP) protos
 
@@ -33,6 +33,20 @@ test: install browser
 
 test-soak: install
 	$(PYTHON) -m pytest -q -m slow tests
+
+# The service images (gateway, router, conversations, CPU worker) from a local Debian base, tagged
+# with the project's version; deploy/docker/build.py starts a private dockerd if none answers.
+images: install docker-tools
+	$(PYTHON) deploy/docker/build.py
+
+# The platform from those images, each pod as its chart runs it, and the end-to-end smoke
+# (tests/deploy/test_images.py; docs/deploy.md has the last run). Slow: not part of `make test`.
+test-images: images
+	$(PYTHON) -m pytest -q -m slow tests/deploy/test_images.py
+
+# Debian's Docker engine and debootstrap (the local base image); dockerd runs as root.
+docker-tools:
+	test -x /usr/sbin/dockerd -a -x /usr/sbin/debootstrap || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null)
 
 # The whole platform on loopback: conversations, two SmolLM2 worker pools, router, gateway.
 run: install

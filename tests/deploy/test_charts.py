@@ -198,7 +198,7 @@ def test_gateway_tls(charts):
     assert env["LLMSERVE_GATEWAY__SERVER__PLAIN_HTTP"] == "false"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["scheme"] == "HTTPS"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"   # the gateway has no /readyz
     monitor = rendered.one("ServiceMonitor", "llmserve-gateway")
     assert monitor["spec"]["endpoints"][0]["scheme"] == "https"
 

@@ -12,7 +12,7 @@ files from a Secret with the config pointed at them. */}}
 {{- end }}
 
 {{- define "gateway.probes" -}}
-{{- range $kind, $path := dict "startup" "/healthz" "readiness" "/readyz" "liveness" "/healthz" }}
+{{- range $kind, $path := dict "startup" "/healthz" "readiness" "/healthz" "liveness" "/healthz" }}
 {{ $kind }}Probe:
   httpGet:
     path: {{ $path }}
