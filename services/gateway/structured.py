@@ -82,19 +82,32 @@ def parse_response_format(value: Any, param: str = "response_format", flat: bool
     if kind != "json_schema":
         raise invalid(f"{param}.type must be one of text, json_object, json_schema; got {kind!r}",
                       f"{param}.type", "invalid_value")
-    spec, where = (value, param) if flat else (value.get("json_schema"), f"{param}.json_schema")
+    spec, where = _section(value, flat, "json_schema", param, "an object with name and schema")
+    _name(spec, where)
+    schema = check_schema(spec.get("schema", {"type": "object"}), f"{where}.schema")
+    return OutputFormat(_json_schema_constraint(schema, _strict(spec, where)), f"{where}.schema")
+
+
+def _section(value: dict, flat: bool, key: str, param: str, what: str) -> tuple[dict, str]:
+    """The nested object (chat completions' form) or the value itself (the Responses API's flat form)."""
+    spec, where = (value, param) if flat else (value.get(key), f"{param}.{key}")
     if not isinstance(spec, dict):
-        raise invalid(f"{where} is required with type json_schema (an object with name and schema)", where,
-                      "missing_required_parameter")
+        raise invalid(f"{where} is required ({what})", where, "missing_required_parameter")
+    return spec, where
+
+
+def _name(spec: dict, where: str) -> str:
     name = spec.get("name")
     if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
-        raise invalid(f"{where}.name is required: letters, digits, _ . - (at most 64)", f"{where}.name",
-                      "invalid_value")
-    schema = check_schema(spec.get("schema", {"type": "object"}), f"{where}.schema")
+        raise invalid(f"{where}.name is required: 1-64 letters, digits, _ . or -", f"{where}.name", "invalid_value")
+    return name
+
+
+def _strict(spec: dict, where: str) -> bool:
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"{where}.strict must be a boolean", f"{where}.strict", "invalid_type")
-    return OutputFormat(_json_schema_constraint(schema, bool(strict)), f"{where}.schema")
+    return bool(strict)
 
 
 @dataclass
@@ -156,23 +169,15 @@ def _tool(i: int, value: Any, flat: bool) -> Tool:
     if not isinstance(value, dict) or value.get("type") != "function":
         raise invalid(f"{where} must be a function tool ({{\"type\": \"function\", ...}})", f"{where}.type",
                       "unsupported_value" if isinstance(value, dict) else "invalid_type")
-    function, fwhere = (value, where) if flat else (value.get("function"), f"{where}.function")
-    if not isinstance(function, dict):
-        raise invalid(f"{fwhere} is required (an object with name and parameters)", fwhere,
-                      "missing_required_parameter")
-    name = function.get("name")
-    if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
-        raise invalid(f"{fwhere}.name must be 1-64 letters, digits, _ . or -", f"{fwhere}.name", "invalid_value")
+    function, fwhere = _section(value, flat, "function", where, "an object with name and parameters")
+    name = _name(function, fwhere)
     description = function.get("description") or ""
     if not isinstance(description, str):
         raise invalid(f"{fwhere}.description must be a string", f"{fwhere}.description", "invalid_type")
     parameters = function.get("parameters")
     parameters = {"type": "object", "properties": {}} if parameters is None else \
         check_schema(parameters, f"{fwhere}.parameters")
-    strict = function.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid(f"{fwhere}.strict must be a boolean", f"{fwhere}.strict", "invalid_type")
-    return Tool(name, description, parameters, bool(strict))
+    return Tool(name, description, parameters, _strict(function, fwhere))
 
 
 def parse_tools(body: dict, flat: bool = False) -> ToolUse:

@@ -161,15 +161,10 @@ class CallScanner:
         if self.args is not None and self._args_char(ch, out):
             return
         if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
+            if self._string_ends(ch):
                 self._string_done(out)
-                return
-            self.token += ch
+            else:
+                self.token += ch
             return
         if ch.isspace():
             return
@@ -216,16 +211,7 @@ class CallScanner:
             self._arg(ch, out)
             return True
         if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
-                if self.args == "string":
-                    self._arg(ch, out, end=True)
-                    return True
-            self._arg(ch, out)
+            self._arg(ch, out, end=self._string_ends(ch) and self.args == "string")
             return True
         if ch == '"':
             self.in_string = True
@@ -238,6 +224,17 @@ class CallScanner:
                 return True
         self._arg(ch, out)
         return True
+
+    def _string_ends(self, ch: str) -> bool:
+        """Advances the lexer inside a string; True when ch is its closing quote."""
+        if self.escape:
+            self.escape = False
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.in_string = False
+            return True
+        return False
 
     def _string_done(self, out: Parsed) -> None:
         if self.depth != self.call_depth:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+import openai
 import pytest
 
 from tests.gateway.harness import GatewayHarness, gateway_config, redis_key_prefix
@@ -34,3 +35,15 @@ def redis_prefix() -> Iterator[str]:
     """Synchronous, so that other fixtures can ask for it by name."""
     with redis_key_prefix() as prefix:
         yield prefix
+
+
+@pytest.fixture(scope="module")
+def key(gateway: GatewayHarness, request) -> str:
+    """A fresh organization's API key, one per test module (named after it)."""
+    return gateway.new_org(request.module.__name__.rsplit(".", 1)[-1])[2]
+
+
+@pytest.fixture(scope="module")
+def client(gateway: GatewayHarness, key: str) -> openai.OpenAI:
+    """The openai SDK on that key, without retries (a test sees every status)."""
+    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0)

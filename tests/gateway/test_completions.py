@@ -5,18 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.harness import GatewayHarness
 from tests.gateway.test_bad_input import assert_error, post
-
-
-@pytest.fixture(scope="module")
-def key(gateway: GatewayHarness) -> str:
-    return gateway.new_org("completions")[2]
-
-
-@pytest.fixture(scope="module")
-def client(gateway, key) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0)
 
 
 def test_text_prompt_whole_echo_and_logprobs(gateway, client):

@@ -10,21 +10,10 @@ import uuid
 import openai
 import pytest
 
-from tests.gateway.harness import GatewayHarness
 from tests.gateway.test_bad_input import assert_error, post
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-def key(gateway: GatewayHarness) -> str:
-    return gateway.new_org("responses")[2]
-
-
-@pytest.fixture(scope="module")
-def client(gateway, key) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0)
 
 
 def test_create_get_delete(gateway, client):

@@ -12,7 +12,6 @@ import pytest
 
 from services.gateway.structured import closed, parse_response_format, parse_tools
 from services.gateway.tool_calls import ToolCallParser, parse_whole
-from tests.gateway.harness import GatewayHarness
 from tests.gateway.test_bad_input import assert_error, post
 
 WEATHER = {"type": "function", "function": {
@@ -114,11 +113,6 @@ def test_objects_listing_their_properties_are_closed_for_the_grammar():
     assert got["properties"]["list"]["items"]["additionalProperties"] is False
     assert got["$defs"]["D"]["additionalProperties"] is False
     assert schema["properties"]["a"] == {"type": "object", "properties": {"b": {"type": "string"}}}   # untouched
-
-
-@pytest.fixture(scope="module")
-def key(gateway: GatewayHarness) -> str:
-    return gateway.new_org("tools")[2]
 
 
 def scripted(reply: str, **extra) -> dict:
