@@ -223,6 +223,8 @@ def test_markdown_code_and_sanitising(gateway: GatewayHarness, page: Page):
     page.keyboard.press("Enter")
     streamed = page.locator("article.message.assistant").last.locator(".body")
     expect(streamed.locator("ul > li")).to_have_count(2)
+    expect(streamed.locator("p")).to_contain_text("A paragraph")      # the list is finished, the stream goes on
+    assert "```" not in streamed.inner_text() and streamed.locator("figure").count() == 0
     page.evaluate("document.querySelectorAll('article.message.assistant')[1].querySelector('.body ul').marked = 1")
     expect(streamed.locator("figure.code-block .code-language")).to_have_text("js")
     expect(page.locator("#send")).to_be_visible()
@@ -398,8 +400,10 @@ def test_narrow_layout_themes_and_screenshots(gateway: GatewayHarness, browser: 
                 menu.click()
                 expect(menu).to_have_attribute("aria-expanded", "true")
                 expect(page.locator("#sidebar")).to_be_in_viewport()
+                expect(page.locator("#new-conversation")).to_be_focused()
                 page.keyboard.press("Escape")
                 expect(page.locator("#sidebar")).not_to_be_in_viewport()
+                expect(menu).to_be_focused()
             page.wait_for_timeout(250)
             page.screenshot(path=str(out / f"chat-{name}-{scheme}.png"))
             backgrounds[scheme] = page.evaluate("getComputedStyle(document.body).backgroundColor")

@@ -475,16 +475,18 @@ function startEdit(article) {
 // ---- the narrow layout's drawer --------------------------------------------------------------
 
 function closeDrawer() {
+  if (!document.body.classList.contains("drawer-open")) return;
   document.body.classList.remove("drawer-open");
   $("menu").setAttribute("aria-expanded", "false");
   $("scrim").hidden = true;
+  if ($("sidebar").contains(document.activeElement)) $("menu").focus();
 }
 
-function toggleDrawer() {
-  const open = !document.body.classList.contains("drawer-open");
-  document.body.classList.toggle("drawer-open", open);
-  $("menu").setAttribute("aria-expanded", String(open));
-  $("scrim").hidden = !open;
+function openDrawer() {
+  document.body.classList.add("drawer-open");
+  $("menu").setAttribute("aria-expanded", "true");
+  $("scrim").hidden = false;
+  $("new-conversation").focus();
 }
 
 // ---- start -----------------------------------------------------------------------------------
@@ -527,7 +529,9 @@ function wire() {
   });
   $("new-conversation").addEventListener("click", newChat);
   $("stop").addEventListener("click", () => state.streaming && state.streaming.abort());
-  $("menu").addEventListener("click", toggleDrawer);
+  $("menu").addEventListener("click", () => {
+    if (document.body.classList.contains("drawer-open")) closeDrawer(); else openDrawer();
+  });
   $("scrim").addEventListener("click", closeDrawer);
   $("settings-toggle").addEventListener("click", () => {
     const open = $("settings").hidden;
