@@ -10,7 +10,7 @@ from typing import Any
 
 from llmserve.v1 import worker_pb2
 from services.gateway.errors import invalid
-from services.gateway.structured import OutputFormat, ToolUse, parse_logit_bias, parse_response_format, parse_tools
+from services.gateway.structured import OutputFormat, ToolUse, output_format, parse_logit_bias, parse_tools
 
 MAX_N = 16
 MAX_STOP = 4
@@ -21,7 +21,8 @@ UNSUPPORTED = {"functions", "function_call", "modalities", "audio", "prediction"
 SAMPLING_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "n", "stop", "seed",
                    "presence_penalty", "frequency_penalty", "logit_bias", "prompt_cache_key"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs",
-                                 "conversation_id", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+                                 "conversation_id", "response_format", "structured_outputs", "tools", "tool_choice",
+                                 "parallel_tool_calls"}
 # Content parts a text model cannot read: refused by name rather than dropped.
 NON_TEXT_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file",
                   "input_file": "file"}
@@ -210,7 +211,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         if not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         req.top_logprobs = top
-    req.output = parse_response_format(body.get("response_format"))
+    req.output = output_format(body)
     req.tools = parse_tools(body)
     if body.get("store") not in (None, False):
         raise invalid("store: true is not supported on chat completions (use /v1/responses)", "store",

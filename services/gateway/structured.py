@@ -110,6 +110,47 @@ def _strict(spec: dict, where: str) -> bool:
     return bool(strict)
 
 
+MAX_CHOICES = 256
+
+
+def parse_structured_outputs(value: Any, param: str = "structured_outputs") -> OutputFormat:
+    """vLLM's extension, for what response_format cannot say: exactly one of json (a schema),
+    regex, choice (a list of strings) or grammar (Lark)."""
+    if value is None:
+        return OutputFormat(param=param)
+    kinds = {"json", "regex", "choice", "grammar"}
+    if not isinstance(value, dict) or len(set(value) & kinds) != 1 or set(value) - kinds:
+        raise invalid(f"{param} must be an object with exactly one of {sorted(kinds)}", param, "invalid_value")
+    [(kind, spec)] = value.items()
+    where = f"{param}.{kind}"
+    if kind == "json":
+        return OutputFormat(_json_schema_constraint(check_schema(spec, where), False), where)
+    if kind == "choice":
+        if not isinstance(spec, list) or not 0 < len(spec) <= MAX_CHOICES or \
+                not all(isinstance(c, str) and c for c in spec):
+            raise invalid(f"{where} must be 1 to {MAX_CHOICES} non-empty strings", where, "invalid_value")
+        return OutputFormat(worker_pb2.Constraint(choice=worker_pb2.ChoiceList(choices=spec)), where)
+    if not isinstance(spec, str) or not spec:
+        raise invalid(f"{where} must be a non-empty string", where, "invalid_type")
+    if kind == "regex":
+        try:
+            re.compile(spec)
+        except re.error as e:
+            raise invalid(f"{where} is not a valid regular expression: {e}", where, "invalid_value") from None
+        return OutputFormat(worker_pb2.Constraint(regex=spec), where)
+    return OutputFormat(worker_pb2.Constraint(grammar=spec), where)
+
+
+def output_format(body: dict) -> OutputFormat:
+    """response_format or structured_outputs (one of them)."""
+    given = parse_response_format(body.get("response_format"))
+    extension = parse_structured_outputs(body.get("structured_outputs"))
+    if given.constraint is not None and extension.constraint is not None:
+        raise invalid("response_format and structured_outputs cannot both constrain the output", "structured_outputs",
+                      "invalid_value")
+    return extension if extension.constraint is not None else given
+
+
 @dataclass
 class Tool:
     name: str

@@ -7,6 +7,7 @@ tests/gateway/test_tools.py. Every constrained output must validate against its 
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import jsonschema
@@ -136,6 +137,19 @@ def test_openai_responses_streamed_and_not_and_a_previous_response_chain(platfor
         # the first turn's input and output are the second's context
         assert follow.usage.input_tokens > whole.usage.input_tokens + whole.usage.output_tokens
         client.responses.delete(follow.id)
+
+
+def test_choice_and_regex_constraints_through_the_sdk(platform: Platform):
+    """vLLM's structured_outputs extension (extra_body), on chat and text completions."""
+    with platform.openai(max_retries=0) as client:
+        for _ in range(2):
+            chat = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_completion_tokens=8,
+                extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}}, **GREEDY)
+            assert chat.choices[0].message.content in ("yes", "no", "maybe")
+        text = client.completions.create(model=MODEL, prompt="The year the Berlin wall fell:", max_tokens=8,
+                                         extra_body={"structured_outputs": {"regex": "[12][0-9]{3}"}}, **GREEDY)
+        assert re.fullmatch("[12][0-9]{3}", text.choices[0].text), text.choices[0].text
 
 
 # -- LangChain --------------------------------------------------------------------------------------

@@ -241,3 +241,28 @@ def test_schema_refused_by_the_grammar_engine_names_the_param(gateway, key):
     tools = {"model": "fake-model", "messages": [{"role": "user", "content": "[refuse-constraint]"}],
              "tools": [WEATHER], "tool_choice": "required", "stream": True}
     assert_error(post(gateway, key, tools), 400, "invalid_value", "tools")
+
+
+def test_structured_outputs_extension_goes_upstream(gateway, key):
+    cases = [({"choice": ["yes", "no"]}, lambda c: list(c.choice.choices) == ["yes", "no"]),
+             ({"regex": "[0-9]{3}"}, lambda c: c.regex == "[0-9]{3}"),
+             ({"grammar": 'start: "a"+'}, lambda c: c.grammar == 'start: "a"+'),
+             ({"json": {"type": "object", "properties": {"a": {}}}}, lambda c: json.loads(c.json_schema)["properties"])]
+    for spec, check in cases:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            reply = post(gateway, key, {"model": "fake-model", "structured_outputs": spec, **body}, path=path)
+            assert reply.status_code == 200, reply.text
+            assert check(gateway.fake.calls[-1].request.constraint), (spec, path)
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+])
+def test_bad_structured_outputs_name_the_param(gateway, key, patch, param):
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], **patch}
+    assert_error(post(gateway, key, body), 400, param=param)

@@ -7,7 +7,7 @@ logprobs N gives the legacy logprobs object (tokens, token_logprobs, top_logprob
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -20,9 +20,10 @@ from services.gateway.pipeline import Generation, Pipeline
 from services.gateway.routes import read_json
 from services.gateway.routes.chat import check_logit_bias
 from services.gateway.sse import DONE
+from services.gateway.structured import OutputFormat, parse_structured_outputs
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for this API
-FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix"}
+FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "structured_outputs"}
 IGNORED = {"user", "metadata", "service_tier", "safety_identifier"}
 
 
@@ -31,6 +32,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | None = None
     token_ids: list[int] | None = None
     echo: bool = False
+    output: OutputFormat = field(default_factory=OutputFormat)
 
 
 def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
@@ -64,6 +66,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise invalid("echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported_value")
     if body.get("suffix"):
         raise invalid("suffix (insertion) is not supported", "suffix", "unsupported_parameter")
+    req.output = parse_structured_outputs(body.get("structured_outputs"))
     best_of = integer(body, "best_of", 1, 1 << 31)
     if best_of is not None and best_of != req.n:
         raise invalid("best_of other than n is not supported", "best_of", "unsupported_value")
@@ -134,7 +137,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise invalid(f"prompt token {max(req.token_ids)} is outside the vocabulary (0..{info.vocab_size - 1})",
                       "prompt", "invalid_value")
     gen = Generation(model=req.model, sampling=req.sampling(), text=req.prompt, token_ids=req.token_ids,
-                     stream=req.stream, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                     constraint=req.output.constraint, constraint_param=req.output.param, stream=req.stream, max_tokens=req.max_tokens, logprobs=req.logprobs,
                      moderated=[req.prompt] if req.prompt is not None else [], affinity_key=req.prompt_cache_key,
                      temperature=req.temperature, id_prefix="cmpl-", operation="text_completion")
     return await pipeline.run(gen, lambda completion: CompletionsWire(req, completion))
