@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from services.worker.attention.torch_paged import TorchPagedAttention
 from services.worker.model.loader import load_model
+from tests.procs import worker
 from tests.worker.test_model_hf_folder import save_tiny_checkpoint
 
 
@@ -136,3 +137,18 @@ def test_missing_and_unexpected_tensors(folder):
     save_file({**tensors, "model.layers.0.mystery.weight": torch.zeros(2)}, folder / "model.safetensors")
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.mystery.weight'"):
         _load(folder)
+
+
+def test_truncated_safetensors_names_the_file(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"corrupt weights file {weights}"):
+        _load(folder)
+
+
+def test_a_worker_given_a_bad_folder_exits_with_the_error_before_serving(folder, tmp_path):
+    _edit_config(folder, model_type="gpt_oss")
+    with pytest.raises(RuntimeError, match="(?s)process exited with [1-9].*config.json: model_type 'gpt_oss' "
+                                           "is not supported \\(supported: llama, qwen2, qwen3"):
+        with worker(tmp_path, model__source=str(folder), model__name="bad"):
+            pass
