@@ -177,7 +177,8 @@ class OverloadGuard:
             gate.queue.leave(org)
             raise
         ticket = Ticket(model, org, prompt_tokens, _guard=self)
-        ticket.estimate = gate.pool.estimate(prompt_tokens, gate.in_flight - 1, sum(gate.since_report[:-1]))
+        running = max(gate.pool.state.running, gate.in_flight - 1)   # the report also sees other replicas'
+        ticket.estimate = gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:-1]))
         if ticket.estimate is not None:
             self.metrics.ttft_estimate.labels(model=model).observe(ticket.estimate.ttft_s)
             self.metrics.stream_speed_estimate.labels(model=model).set(ticket.estimate.tokens_per_s)

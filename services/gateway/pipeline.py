@@ -33,7 +33,7 @@ from services.gateway.conversation_resume import fit_history
 from services.gateway.errors import ApiError, sse_error_event
 from services.gateway.limits import admit, estimate_prompt_tokens, limits_for, reservation
 from services.gateway.metering import Reservation
-from services.gateway.overload import Overloaded
+from services.gateway.overload import Overloaded, Ticket
 from services.gateway.sse import KEEPALIVE, EventStream, with_keepalive
 from services.gateway.tracing import grpc_metadata, set_request_attributes, set_response_attributes
 from services.gateway.upstream import api_error_from_grpc
@@ -120,6 +120,7 @@ class Pipeline:
         self.principal = principal
         self.outcome = Outcome()
         self.keeper: Keeper | None = None
+        self.admission: Ticket | None = None   # the admitted slot: its estimates meet what happened
         self.metadata: list[tuple[str, str]] = []
         self.context = 0
         self.info: worker_pb2.ModelInfo | None = None
@@ -197,7 +198,7 @@ class Pipeline:
         try:
             async with self.gw.overload.admit(gen.model, org=self.org_id, weight=self.principal.organization.weight,
                                               priority=self.principal.key.priority, prompt_tokens=prompt_estimate,
-                                              max_tokens=gen.max_tokens):
+                                              max_tokens=gen.max_tokens) as self.admission:
                 return await self._run(gen, wire_for, prompt_estimate, ticket, span)
         except Overloaded:
             self.gw.spawn(self.gw.metering.refund(ticket))
@@ -260,6 +261,8 @@ class Pipeline:
         if outcome.first_token_at is None:
             outcome.first_token_at = now
             series.ttft.observe(now - outcome.started)
+            if self.admission is not None:
+                self.admission.first_token()
         else:
             series.inter_token.observe(now - outcome.last_token_at)
         outcome.last_token_at = now

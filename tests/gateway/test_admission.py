@@ -229,3 +229,15 @@ def test_weights_and_priority_classes_are_stored(gateway: GatewayHarness):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority_class"
     stored = gateway.call(gateway.gateway.store.get_key(key["id"]))
     assert stored.priority == 1 and gateway.call(gateway.gateway.store.get_organization(org["id"])).weight == 4.0
+
+
+async def test_the_estimate_meets_the_measured_first_token_in_the_metrics():
+    g = guard()
+    g.set_pool({"m": [report(2)]})
+    async with g.admit("m", prompt_tokens=100) as ticket:
+        assert ticket.estimate.ttft_s == pytest.approx(0.1 + 0.010 + 0.002 * 3)   # 100 tokens at 1000/s + a step
+        assert ticket.estimate.tokens_per_s == pytest.approx(1 / 0.016)
+        ticket.first_token()
+        ticket.first_token()                                  # once per request
+    ratio = g.metrics.ttft_ratio.labels(model="m")
+    assert ratio._sum.get() > 0 and sum(b.get() for b in ratio._buckets) == 1
