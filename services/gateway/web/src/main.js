@@ -15,6 +15,7 @@ const $ = (id) => document.getElementById(id);
 const state = {
   api: new Api(localStorage.getItem(KEY_ITEM) || ""),
   conversation: null,    // the open conversation (id, title, model, metadata); null: a new chat
+  busy: false,           // a turn (a send, regenerate or edit) is under way; one at a time
   streaming: null,       // the AbortController of the reply being streamed
   lastSystem: "",        // the system prompt the stored history already holds
   countdown: null,
@@ -115,7 +116,7 @@ function addMessage(role, content, { partial = false } = {}) {
     actions.append(button("Edit", "edit", "Edit and resend this message", () => startEdit(article)));
   } else {
     actions.append(button("Copy", "copy", "Copy this answer", (e) => copyText(article.text, e.currentTarget)),
-                   button("Regenerate", "regenerate", "Regenerate this answer", regenerate));
+                   button("Regenerate", "regenerate", "Regenerate this answer", () => exclusive(regenerate)));
   }
   meta.append(stopped, stats, actions);
   article.append(body, meta);
@@ -199,7 +200,7 @@ function showConversation(conversation) {
 }
 
 async function openConversation(id) {
-  if (state.streaming) return;
+  if (state.busy) return;
   closeDrawer();
   status("");
   let conversation;
@@ -227,7 +228,7 @@ async function openConversation(id) {
 }
 
 function newChat() {
-  if (state.streaming) return;
+  if (state.busy) return;
   closeDrawer();
   state.conversation = null;
   state.lastSystem = "";
@@ -293,8 +294,14 @@ async function ensureConversation(text) {
   }
 }
 
+/** Runs one turn at a time: a second Enter while a turn starts does nothing. */
+async function exclusive(work) {
+  if (state.busy) return;
+  state.busy = true;
+  try { await work(); } finally { state.busy = false; }
+}
+
 async function send(text) {
-  if (state.streaming || !text.trim()) return;
   let params;
   try { params = sampling(); } catch (e) { status(e.message, { error: true }); return; }
   status("");
@@ -422,7 +429,6 @@ async function truncateAt(index) {
 }
 
 async function regenerate() {
-  if (state.streaming) return;
   const articles = messageArticles();
   const userIndex = articles.findLastIndex((a) => a.classList.contains("user"));
   if (userIndex < 0) return;
@@ -438,7 +444,7 @@ async function regenerate() {
 }
 
 function startEdit(article) {
-  if (state.streaming || article.classList.contains("editing")) return;
+  if (state.busy || article.classList.contains("editing")) return;
   const body = article.querySelector(".body");
   const editor = document.createElement("form");
   editor.className = "editor";
@@ -459,16 +465,18 @@ function startEdit(article) {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); editor.requestSubmit(); }
     if (e.key === "Escape") { e.preventDefault(); e.stopPropagation(); stop(); }
   });
-  editor.addEventListener("submit", async (e) => {
+  editor.addEventListener("submit", (e) => {
     e.preventDefault();
     const text = area.value;
-    if (!text.trim() || state.streaming) return;
-    const index = messageArticles().indexOf(article);
-    try {
-      await truncateAt(index);
-    } catch (err) { showError(err); return; }
-    for (const a of messageArticles().slice(index)) a.remove();
-    await send(text);
+    if (!text.trim()) return;
+    exclusive(async () => {
+      const index = messageArticles().indexOf(article);
+      try {
+        await truncateAt(index);
+      } catch (err) { showError(err); return; }
+      for (const a of messageArticles().slice(index)) a.remove();
+      await send(text);
+    });
   });
 }
 
@@ -542,10 +550,10 @@ function wire() {
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("prompt").value;
-    if (!text.trim() || state.streaming) return;
+    if (!text.trim() || state.busy) return;
     $("prompt").value = "";
     autosize();
-    send(text);
+    exclusive(() => send(text));
   });
   const autosize = () => {
     const prompt = $("prompt");
