@@ -64,6 +64,7 @@ class Result:
     tokens: int = 0
     decode_s: float = 0.0          # first to last content chunk
     retry_after: bool = False
+    retry_after_s: float = 0.0     # what the refusal asked for (retry-after-ms)
     org: str = ""
     chunk_times: list[float] = field(default_factory=list)
 
@@ -84,7 +85,8 @@ async def stream_once(session: aiohttp.ClientSession, url: str, key: str, model:
             if response.status != 200:
                 await response.read()
                 return Result(response.status, latency_s=time.monotonic() - start, org=org,
-                              retry_after="Retry-After" in response.headers)
+                              retry_after="Retry-After" in response.headers,
+                              retry_after_s=int(response.headers.get("retry-after-ms", "0")) / 1000)
             result = Result(200, org=org)
             async for line in response.content:
                 if not line.startswith(b"data: {"):
@@ -229,10 +231,14 @@ class Admin:
 
 
 async def flood(session, url, key, org, prompts, streams: int, until: float, results: list[Result]) -> None:
+    """`streams` clients, each sending its next request when the last ends; a refused one waits what
+    Retry-After asked for first, as the SDKs do."""
     async def loop(i: int):
         while time.monotonic() < until:
             prompt, max_tokens = prompts[i % len(prompts)]
-            results.append(await stream_once(session, url, key, MODEL, prompt, max_tokens, org))
+            results.append(result := await stream_once(session, url, key, MODEL, prompt, max_tokens, org))
+            if result.status == 429:
+                await asyncio.sleep(min(result.retry_after_s or 1.0, max(0.0, until - time.monotonic())))
             i += streams
     await asyncio.gather(*(loop(i) for i in range(streams)))
 
@@ -372,6 +378,21 @@ def render(d: dict) -> str:
                 lines.append(f"- {label.replace('_', ' ')}: tokens streamed A {r['a_tokens']}, B {r['b_tokens']}: "
                              f"A/B = {_f(r['ratio'])} (wanted {want:g}), {r['refused']} refused.")
         lines.append("")
+    lines += ["## How admission decides", "",
+              "- Each worker fits its step time, step = base + per_seq x sequences + per prompt token, over its "
+              "recent steps (services/worker/engine/load_stats.py) and reports the line, its prefill rate and the "
+              "prompt tokens queued in GetLoad; the router passes the reports through ListWorkers.",
+              "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
+              "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
+              "it, 80% of the peak throughput's worth) and the queued prompts would not push a first token past "
+              "the TTFT target; the limit is split between gateway replicas through the Redis heartbeats.",
+              "- Beyond that a request waits in a fair queue: priority class first, then organizations by virtual "
+              "token counters over their weights. A newcomer whose estimated wait (its place in that order x the "
+              "mean slot hold / the limit) exceeds the queue timeout is refused at once with that estimate as "
+              "Retry-After; one still waiting at the timeout too. The worker's own waiting queue keeps the same "
+              "weighted fair order by tokens served.",
+              "- Metrics: llmserve_gateway_admission_decisions{model, organization, decision}, the queue wait "
+              "estimated and measured, the TTFT estimate, llmserve_gateway_overload_limit.", ""]
     return "\n".join(lines)
 
 

@@ -132,10 +132,16 @@ class OverloadGuard:
         return gate.pool.queue_delay_s(sum(gate.since_report)) <= self._cfg.ttft_target_s
 
     def estimated_wait_s(self, model: str, ahead: int) -> float | None:
-        """When a request with `ahead` others before it in the queue would be admitted (None until
-        a stream of the model has ended here)."""
+        """When a request with `ahead` others before it in the queue would be admitted: its turn for
+        a slot, and the prompts queued in the pool past the TTFT target (None until a stream of the
+        model has ended here)."""
         gate = self._gate(model)
-        return (ahead + 1) * gate.hold_s / max(1, gate.limit) if gate.hold_s else None
+        if not gate.hold_s:
+            return None
+        turn = (ahead + 1) * gate.hold_s / max(1, gate.limit)
+        if not self._cfg.follow_pool_load:
+            return turn
+        return turn + max(0.0, gate.pool.queue_delay_s(sum(gate.since_report)) - self._cfg.ttft_target_s)
 
     def _grant(self, model: str, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int) -> None:
         gate.in_flight += 1

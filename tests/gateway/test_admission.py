@@ -241,3 +241,13 @@ async def test_the_estimate_meets_the_measured_first_token_in_the_metrics():
         ticket.first_token()                                  # once per request
     ratio = g.metrics.ttft_ratio.labels(model="m")
     assert ratio._sum.get() > 0 and sum(b.get() for b in ratio._buckets) == 1
+
+
+async def test_the_wait_estimate_counts_the_prompts_queued_past_the_ttft_target():
+    g = guard(ttft_target_s=1.0, max_in_flight_per_model=4)
+    g.set_pool({"m": [report()]})
+    async with g.admit("m"):
+        await asyncio.sleep(0.1)                                  # one stream held its slot 0.1 s
+    g.set_pool({"m": [report(queued=5000)]})                      # 5 s of prompts at 1000 tokens/s
+    turn = 0.1 / g.limit("m")
+    assert g.estimated_wait_s("m", 0) == pytest.approx(turn + 4.0, abs=0.05)
