@@ -5,6 +5,8 @@ embedding scale and `WEIGHT_RULES`, how Hugging Face tensor names map onto its (
 parameters. Whatever the file format, weights arrive under Hugging Face names
 (model.layers.N.self_attn.q_proj.weight, ...); a name no rule matches is our own parameter's
 name already (minus "model."; a Linear's `weight` is our transposed `weight_t`).
+In a tensor-parallel group each rank builds its shard and load_weights copies in its piece of
+every full checkpoint tensor (the parameter's TPSplit says which).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from torch import nn
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model.config import ModelConfig
-from services.worker.model.layers import Embedding, KVCache, Linear, RMSNorm
+from services.worker.model.layers import ColumnParallelLinear, Embedding, KVCache, RMSNorm, TPSplit
 from services.worker.model.rotary import RotaryEmbedding
+from services.worker.parallel.group import SINGLE, TensorParallel
 
 # Tensors some checkpoints carry that the model recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,9 +67,10 @@ class CausalLM(nn.Module):
     norm_class: type[RMSNorm] = RMSNorm
     WEIGHT_RULES: tuple[WeightRule, ...] = ATTENTION_RULES + MLP_RULES
 
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         c = config
         self.rotary = RotaryEmbedding(c.head_dim, c.max_context_length, c.rope_theta, c.rope_scaling, device,
                                       rotary_dim=c.rotary_dim)
@@ -75,12 +79,13 @@ class CausalLM(nn.Module):
             c.head_dim, c.max_context_length, c.sliding_rope_theta, None, device, rotary_dim=c.rotary_dim)
         self._sliding_rotary_layers = [self.sliding_rotary is not None and c.is_sliding(i)
                                        for i in range(c.num_layers)]
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, device)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(self.make_layer(i, attention, dtype, device) for i in range(c.num_layers))
         self.norm = self.norm_class(c.hidden_size, c.rms_norm_eps, dtype, device)
         # Tied or not, the head is its own transposed matrix (a tied one is filled from the embedding):
-        # the lookup wants the embedding's rows, the product its columns.
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, False, dtype, device)
+        # the lookup wants the embedding's rows, the product its columns. Split by vocabulary like it.
+        vocab = c.vocab_size // tp.size
+        self.lm_head = ColumnParallelLinear(c.hidden_size, (c.vocab_size,), (vocab,), False, dtype, device)
 
     def make_layer(self, layer: int, attention: AttentionBackend, dtype, device) -> nn.Module:
         raise NotImplementedError
@@ -102,7 +107,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        logits = self.lm_head(hidden).float()
+        logits = self.tp.all_gather(self.lm_head(hidden)).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -137,10 +142,8 @@ class CausalLM(nn.Module):
                 targets.append(("lm_head.weight_t", ()))
             for name, index in targets:
                 target = _hf_view(name, params[name])[index]
-                if target.shape != tensor.shape:
-                    raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(target.shape)} (from config.json)")
-                target.copy_(tensor)
+                piece = self._rank_piece(hf_name, tensor, target.shape, getattr(params[name], "tp_split", None))
+                target.copy_(piece)
                 covered[name][index] = True
         missing = [hint for name, mask in covered.items() if not mask.all() for hint in self._missing(name, mask)]
         if missing:
@@ -166,15 +169,33 @@ class CausalLM(nn.Module):
         return name, index
 
     def _shard(self, shard: str, name: str, params: dict) -> slice:
-        c = self.config
-        if shard in ("q", "k", "v"):
-            start = {"q": 0, "k": c.q_size, "v": c.q_size + c.kv_size}[shard]
-            return slice(start, start + (c.q_size if shard == "q" else c.kv_size))
-        if shard in ("gate", "up"):
-            target = params.get(name + "_t", params.get(name))
-            half = (target.shape[-1] if name + "_t" in params else target.shape[-2]) // 2
-            return slice(0, half) if shard == "gate" else slice(half, 2 * half)
-        return slice(None)
+        """The rows of a fused parameter (this rank's) that the q/k/v or gate/up segment fills."""
+        if not shard:
+            return slice(None)
+        local = params.get(name + "_t", params.get(name)).tp_split.local
+        i = _SEGMENTS[shard]
+        return slice(sum(local[:i]), sum(local[:i + 1]))
+
+    def _rank_piece(self, hf_name: str, tensor: torch.Tensor, shape: torch.Size, split: TPSplit | None) -> torch.Tensor:
+        """This rank's piece of a full checkpoint tensor bound for a target of `shape`: the whole
+        tensor unsplit; one segment's share; or, for a tensor holding every segment (Phi-3's fused
+        qkv_proj, stacked experts), each segment's share, concatenated."""
+        if split is not None and self.tp.size > 1 and tensor.dim() == len(shape):
+            d, length = split.dim, tensor.shape[split.dim]
+            if len(split.full) > 1 and length == sum(split.full) and shape[d] == sum(split.local):
+                parts = tensor.split(list(split.full), dim=d)
+                tensor = torch.cat([p[_along(d, self.tp.piece(f, n))] for p, f, n in
+                                    zip(parts, split.full, split.local)], dim=d)
+            elif length in split.full and shape[d] in split.local and self.tp.size > 1:
+                tensor = tensor[_along(d, self.tp.piece(length, shape[d]))]
+        if tensor.shape != shape:
+            expected = list(shape)
+            if split is not None and len(shape) > 0:
+                expected[split.dim] = sum(split.full) if shape[split.dim] == sum(split.local) else \
+                    dict(zip(split.local, split.full)).get(shape[split.dim], shape[split.dim])
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(expected)} (from config.json)")
+        return tensor
 
     def _missing(self, name: str, mask: torch.Tensor) -> list[str]:
         """The Hugging Face names of the tensors that would fill the unfilled part of parameter `name`."""
@@ -194,6 +215,14 @@ class CausalLM(nn.Module):
         if not hints:
             hints.append(("" if name.startswith("lm_head") else "model.") + hf_rest)
         return hints
+
+
+_SEGMENTS = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
+
+
+def _along(dim: int, index: slice) -> tuple:
+    """An index applying `index` along dimension `dim` (negative: from the end)."""
+    return (Ellipsis, index) + (slice(None),) * (-dim - 1) if dim < 0 else (slice(None),) * dim + (index,)
 
 
 def _hf_view(name: str, param: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 from services.worker.attention.backend import AttentionBackend
 from services.worker.model.decoder import CausalLM
 from services.worker.model.layers import Attention, GatedMLP, RMSNorm
+from services.worker.parallel.group import TensorParallel
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -28,14 +29,14 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, attention: AttentionBackend, dtype, device):
+    def __init__(self, config, layer: int, attention: AttentionBackend, dtype, device, tp: TensorParallel):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype, device)
-        self.self_attn = Attention(config, layer, attention, GemmaRMSNorm, dtype, device)
+        self.self_attn = Attention(config, layer, attention, GemmaRMSNorm, dtype, device, tp)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
-        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act, dtype, device)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act, dtype, device, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
 
     def forward(self, x, rotary, kv_cache, meta):
@@ -47,7 +48,7 @@ class Gemma3Model(CausalLM):
     norm_class = GemmaRMSNorm
 
     def make_layer(self, layer: int, attention: AttentionBackend, dtype, device) -> nn.Module:
-        return Gemma3DecoderLayer(self.config, layer, attention, dtype, device)
+        return Gemma3DecoderLayer(self.config, layer, attention, dtype, device, self.tp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

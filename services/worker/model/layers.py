@@ -6,9 +6,17 @@ another as AttentionMetadata describes. Q/K/V and gate/up are each one fused lin
 step runs few, large matrix products; the attention backend writes the new keys and values into
 the cache and attends over it. Parameters are allocated uninitialised; the model's load_weights
 (decoder.py) or random init fills them.
+
+Tensor parallelism (a TensorParallel group of size > 1, Megatron's split): q/k/v and gate/up are
+column-parallel (each rank holds its heads and its share of the intermediate features), o and
+down row-parallel (each rank's partial product, then one all-reduce), the embedding and head
+split by vocabulary. A split parameter carries `tp_split` (TPSplit): the loader cuts this rank's
+piece out of each full checkpoint tensor with it (decoder.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +26,7 @@ from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model.config import ModelConfig
 from services.worker.model.rotary import apply_rotary
+from services.worker.parallel.group import SINGLE, TensorParallel, local_kv_heads
 
 Rotary = tuple[torch.Tensor, torch.Tensor]          # cos, sin of each token, [T, 1, rotary_dim/2]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -42,6 +51,21 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
 
 
+@dataclass(frozen=True)
+class TPSplit:
+    """How a parameter is split across ranks, in its Hugging Face view ([out, in] for a Linear
+    weight): along `dim`, as the segments `full` (one after another: q, k, v of a fused QKV) of
+    which this rank holds `local` each."""
+    dim: int
+    full: tuple[int, ...]
+    local: tuple[int, ...]
+
+
+def split(param: nn.Parameter, dim: int, full: tuple[int, ...], local: tuple[int, ...]) -> nn.Parameter:
+    param.tp_split = TPSplit(dim, tuple(full), tuple(local))
+    return param
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored transposed, [in, out], and left uninitialised for the loader.
 
@@ -58,13 +82,50 @@ class Linear(nn.Module):
         return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
 
+class ColumnParallelLinear(Linear):
+    """Output features split: this rank computes its `local` of each `full` output segment
+    (no communication; the next layer consumes the split output)."""
+
+    def __init__(self, in_features: int, full: tuple[int, ...], local: tuple[int, ...], bias: bool, dtype, device):
+        super().__init__(in_features, sum(local), bias, dtype, device)
+        split(self.weight_t, -2, full, local)
+        if bias:
+            split(self.bias, -1, full, local)
+
+
+class RowParallelLinear(Linear):
+    """Input features split: each rank multiplies its share, one all-reduce sums the partial
+    products, and the (replicated) bias is added once, after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, dtype, device):
+        super().__init__(in_features // tp.size, out_features, bias, dtype, device)
+        split(self.weight_t, -1, (in_features,), (in_features // tp.size,))
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(x @ self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype, device):
+    """Vocabulary-parallel over a group: each rank holds the rows of its vocabulary share, looks
+    up the ids that fall in it (zeros for the others), and an all-reduce assembles the rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype, device, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.weight = _empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        rows = num_embeddings // tp.size
+        self.weight = split(_empty(rows, embedding_dim, dtype=dtype, device=device), -2, (num_embeddings,), (rows,))
+        self.tp, self.start = tp, tp.rank * rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
 
 
 class Attention(nn.Module):
@@ -72,14 +133,17 @@ class Attention(nn.Module):
     layer's sliding window, if any), output projection."""
 
     def __init__(self, config: ModelConfig, layer: int, attention: AttentionBackend, norm: type[RMSNorm],
-                 dtype, device):
+                 dtype, device, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        # This rank's heads; its KV heads are those its query heads read (replicated when fewer than ranks).
+        self.num_heads, self.head_dim = config.num_heads // tp.size, config.head_dim
+        self.num_kv_heads = local_kv_heads(config.num_kv_heads, tp.size)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = config.attention_scale or config.head_dim ** -0.5
         self.window = config.window(layer)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype, device)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (config.q_size, config.kv_size, config.kv_size),
+                                             (self.q_size, self.kv_size, self.kv_size), config.qkv_bias, dtype, device)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_proj_bias, tp, dtype, device)
         self.q_norm = norm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.attention = attention
@@ -110,10 +174,13 @@ def activation(name: str):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with SiLU, GeGLU with GELU."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, dtype, device):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, dtype, device,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
+        local = intermediate_size // tp.size
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, (intermediate_size,) * 2, (local,) * 2, False,
+                                                 dtype, device)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype, device)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,10 +192,10 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: ModelConfig, layer: int, attention: AttentionBackend, mlp: nn.Module,
-                 dtype, device, norm: type[RMSNorm] = RMSNorm):
+                 dtype, device, norm: type[RMSNorm] = RMSNorm, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, layer, attention, norm, dtype, device)
+        self.self_attn = Attention(config, layer, attention, norm, dtype, device, tp)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = mlp
 

@@ -18,5 +18,5 @@ from services.worker.model.layers import DecoderLayer, GatedMLP
 class LlamaModel(CausalLM):
     def make_layer(self, layer: int, attention: AttentionBackend, dtype, device) -> nn.Module:
         c = self.config
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype, device)
-        return DecoderLayer(c, layer, attention, mlp, dtype, device)
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype, device, self.tp)
+        return DecoderLayer(c, layer, attention, mlp, dtype, device, tp=self.tp)

@@ -20,6 +20,7 @@ from services.worker.model.decoder import CausalLM
 from services.worker.model.families import build_model
 from services.worker.model.random_weights import init_random, random_config
 from services.worker.model.tokenizer import Tokenizer
+from services.worker.parallel.group import SINGLE, TensorParallel
 
 RANDOM_PREFIX = "random:"
 
@@ -74,12 +75,13 @@ QUANTIZATIONS = ("none", "int8")
 
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-               seed: int = 0, quantization: str = "none") -> LoadedModel:
-    """quantization "int8": int8 weights for CPU float32 serving (services/worker/model/int8_linear.py)."""
+               seed: int = 0, quantization: str = "none", tp: TensorParallel = SINGLE) -> LoadedModel:
+    """quantization "int8": int8 weights for CPU float32 serving (services/worker/model/int8_linear.py).
+    tp: build and load this rank's shard (checkpoint tensors are cut as they are read)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     checkpoint = read_checkpoint(source)
-    model = build_model(checkpoint.config, attention, dtype, torch.device(device))
+    model = build_model(checkpoint.config, attention, dtype, torch.device(device), tp)
     if checkpoint.weights is None:
         init_random(model, seed)
     else:

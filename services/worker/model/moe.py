@@ -8,7 +8,9 @@ Every expert's weights are resident, stacked as transformers 5 stores them: gate
 [E, 2I, H] (gate rows first), down_proj [E, H, I]. Checkpoints name them per expert
 (Qwen3-MoE: mlp.experts.N.gate_proj / up_proj / down_proj; Mixtral: block_sparse_moe.experts.N.w1 /
 w3 / w2, its router block_sparse_moe.gate) or already stacked (mlp.experts.gate_up_proj, ...).
-Qwen3-MoE layers in dense_layers keep a dense MLP.
+Qwen3-MoE layers in dense_layers keep a dense MLP. In a tensor-parallel group every rank holds
+every expert's share of the intermediate features (gate/up column-, down row-split), so each
+rank's fused-MoE output is a partial sum that one all-reduce completes; the router is replicated.
 """
 
 from __future__ import annotations
@@ -19,29 +21,31 @@ from torch import nn
 from services.worker.attention.backend import AttentionBackend
 from services.worker.model.config import ModelConfig
 from services.worker.model.decoder import ATTENTION_RULES, MLP_RULES, CausalLM, WeightRule
-from services.worker.model.layers import DecoderLayer, GatedMLP, Linear, _empty
+from services.worker.model.layers import DecoderLayer, GatedMLP, Linear, _empty, split
 from services.worker.moe.backend import select_moe_backend
+from services.worker.parallel.group import TensorParallel
 
 
 class Experts(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype, device):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = _empty(e, 2 * i, h, dtype=dtype, device=device)
-        self.down_proj = _empty(e, h, i, dtype=dtype, device=device)
+        local = i // tp.size
+        self.gate_up_proj = split(_empty(e, 2 * local, h, dtype=dtype, device=device), -2, (i, i), (local, local))
+        self.down_proj = split(_empty(e, h, local, dtype=dtype, device=device), -1, (i,), (local,))
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig, fused_moe, dtype, device):
+    def __init__(self, config: ModelConfig, fused_moe, tp: TensorParallel, dtype, device):
         super().__init__()
         self.gate = Linear(config.hidden_size, config.num_experts, False, dtype, device)   # the router
-        self.experts = Experts(config, dtype, device)
+        self.experts = Experts(config, tp, dtype, device)
         self.top_k, self.renormalize = config.num_experts_per_tok, config.moe_renormalize
-        self.fused_moe = fused_moe
+        self.fused_moe, self.tp = fused_moe, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused_moe(x, self.gate(x), self.experts.gate_up_proj, self.experts.down_proj,
-                              self.top_k, self.renormalize)
+        return self.tp.all_reduce(self.fused_moe(x, self.gate(x), self.experts.gate_up_proj, self.experts.down_proj,
+                                                 self.top_k, self.renormalize))
 
 
 class MoEModel(CausalLM):
@@ -49,10 +53,10 @@ class MoEModel(CausalLM):
         c = self.config
         if c.is_moe(layer):
             device = torch.device(device)
-            mlp = SparseMoE(c, select_moe_backend(attention.name, device), dtype, device)
+            mlp = SparseMoE(c, select_moe_backend(attention.name, device), self.tp, dtype, device)
         else:
-            mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype, device)
-        return DecoderLayer(c, layer, attention, mlp, dtype, device)
+            mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype, device, self.tp)
+        return DecoderLayer(c, layer, attention, mlp, dtype, device, tp=self.tp)
 
 
 def _expert_rules(prefix: str, gate: str, up: str, down: str) -> tuple[WeightRule, ...]:
