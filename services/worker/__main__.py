@@ -67,6 +67,8 @@ async def serve(cfg: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if built.parallel is not None:   # a rank died: the engine cannot step, so the worker goes
+        built.parallel.on_failure(lambda reason: loop.call_soon_threadsafe(stop.set))
     await stop.wait()
     # Drain: report NOT_SERVING so routers stop sending, let running requests finish.
     log.info("draining for up to %.1fs", cfg.server.grace_period_s)
@@ -75,6 +77,10 @@ async def serve(cfg: WorkerConfig) -> None:
     await server.stop(cfg.server.grace_period_s)
     async_engine.stop()
     metrics_server.close()
+    if built.parallel is not None:
+        built.parallel.stop()
+        if built.parallel.failure is not None:
+            raise SystemExit(f"worker {name} exits: {built.parallel.failure}")
 
 
 async def _register(cfg: WorkerConfig, port: int, model: str) -> None:

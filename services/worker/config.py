@@ -53,6 +53,12 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     num_threads: int = 0              # torch CPU threads; 0 leaves torch's default
+    # Tensor parallelism over the devices of one machine (services/worker/parallel): the engine
+    # runs on rank 0, every rank holds a shard of the model and of the KV cache. devices: one per
+    # rank, comma-separated (empty: cuda:0..N-1 on a CUDA worker, the CPU over gloo otherwise).
+    tensor_parallel_size: int = 1
+    devices: str = ""
+    tensor_parallel_timeout_s: float = 30.0   # a collective not done by then fails the worker
 
 
 @dataclass

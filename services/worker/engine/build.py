@@ -13,6 +13,8 @@ from services.worker.engine.llm_engine import EngineLimits, LLMEngine
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
 from services.worker.model.loader import LoadedModel, load_model
+from services.worker.parallel.driver import TensorParallelWorkers, kv_shape, start_tensor_parallel
+from services.worker.parallel.group import SINGLE
 from services.worker.sizing import kv_bytes_per_token, kv_cache_report
 from services.worker.spec.draft_model import DraftModelProposer
 from services.worker.spec.ngram import NgramProposer
@@ -28,6 +30,7 @@ class BuiltEngine:
     loaded: LoadedModel
     device: torch.device
     dtype: torch.dtype
+    parallel: TensorParallelWorkers | None = None   # ranks 1..N-1 of a tensor-parallel worker
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,27 +50,45 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
     """loaded, draft: the target and draft models when already loaded (tests share them)."""
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
-    device = resolve_device(model_cfg.device)
+    parallel = start_tensor_parallel(model_cfg, engine_cfg)   # None at tensor_parallel_size 1
+    try:
+        return _build_engine(model_cfg, engine_cfg, loaded, draft, parallel)
+    except BaseException:
+        if parallel is not None:
+            parallel.stop()
+        raise
+
+
+def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded: LoadedModel | None,
+                  draft: LoadedModel | None, parallel: TensorParallelWorkers | None) -> BuiltEngine:
+    device = parallel.device if parallel is not None else resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype)
     attention = select_backend(engine_cfg.attention_backend, device)
+    tp = parallel.tp if parallel is not None else SINGLE
     if loaded is None:
         loaded = load_model(model_cfg.source, dtype, device, attention, seed=model_cfg.seed,
-                            quantization=model_cfg.quantization)
+                            quantization=model_cfg.quantization, tp=tp)
     draft = load_draft(engine_cfg, loaded, draft, dtype, device, attention, model_cfg.seed)
     cfg = loaded.config
-    per_block = kv_bytes_per_token(cfg, model_cfg.dtype) * engine_cfg.block_size
+    local = kv_shape(cfg, tp)   # this rank's KV heads: the whole model's at size 1
+    per_block = kv_bytes_per_token(local, model_cfg.dtype) * engine_cfg.block_size
     if draft is not None:   # the draft's cache has as many blocks and shares the memory budget
         per_block += kv_bytes_per_token(draft.config, model_cfg.dtype) * engine_cfg.block_size
     num_blocks = engine_cfg.num_blocks or int(engine_cfg.kv_cache_memory_gb * 2**30 // per_block)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_context_length, cfg.max_context_length,
                         (num_blocks - 1) * engine_cfg.block_size,
                         draft.config.max_context_length if draft is not None else cfg.max_context_length)
-    log.info(kv_cache_report(cfg, num_blocks, engine_cfg.block_size, model_cfg.dtype, max_model_len=max_model_len))
+    log.info(kv_cache_report(local, num_blocks, engine_cfg.block_size, model_cfg.dtype, max_model_len=max_model_len))
+    if parallel is not None:
+        parallel.start(num_blocks)
     sampler = Sampler()
     drafter = DraftModelProposer(draft.model, num_blocks, engine_cfg.block_size, sampler) if draft is not None else None
     # Graphs need a backend that plans on the device; the PyTorch one plans from host lengths.
-    graph_max_batch = min(engine_cfg.cuda_graph_max_batch, engine_cfg.max_num_seqs) if attention.name == "triton" else 0
-    runner = ModelRunner(loaded.model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
+    # Tensor parallel steps broadcast their inputs first: no graphs there.
+    graph_max_batch = min(engine_cfg.cuda_graph_max_batch, engine_cfg.max_num_seqs) \
+        if attention.name == "triton" and parallel is None else 0
+    model = loaded.model if parallel is None else parallel.driving(loaded.model)
+    runner = ModelRunner(model, cfg.num_layers, local.num_kv_heads, cfg.head_dim, num_blocks,
                          engine_cfg.block_size, dtype, device, sampler, drafter=drafter,
                          max_model_len=max_model_len, graph_max_batch=graph_max_batch)
     limits = EngineLimits(max_model_len=max_model_len, block_size=engine_cfg.block_size, num_blocks=num_blocks,
@@ -80,7 +101,7 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
     proposer = None if drafter else NgramProposer(engine_cfg.ngram_min, engine_cfg.ngram_max)
     engine = LLMEngine(limits, runner, loaded.tokenizer, cfg.vocab_size, proposer=proposer,
                        num_speculative_tokens=engine_cfg.num_speculative_tokens)
-    return BuiltEngine(engine, loaded, device, dtype)
+    return BuiltEngine(engine, loaded, device, dtype, parallel)
 
 
 def releasable_window(cfg, draft: LoadedModel | None) -> int | None:
