@@ -2,6 +2,7 @@
 
     python -m services.worker.sizing --model llama-2-13b qwen3-30b-a3b --gpu-memory 80 40
     python -m services.worker.sizing --model path/to/config.json --gpu-memory 141 --kv-dtype fp8
+    python -m services.worker.sizing --model llama-3-70b --gpu-memory 139.8 --tensor-parallel 4 8
 
 The arithmetic (memory in GiB, 2^30 bytes, as nvidia-smi and torch report it):
 - KV bytes per token = 2 (K and V) x layers x KV heads x head dim x KV dtype bytes;
@@ -16,6 +17,11 @@ The arithmetic (memory in GiB, 2^30 bytes, as nvidia-smi and torch report it):
   pre-paging way, and what TGI-style admission does with max_tokens = context; a sliding layer
   reserves its window).
 
+With tensor parallelism over N GPUs (engine.tensor_parallel_size) every figure is per GPU: each
+holds 1/N of the weights and of the KV heads (one head, replicated, when there are fewer KV heads
+than GPUs), and every rank has the same number of blocks, so the blocks (and requests) of one GPU
+are those of the whole worker.
+
 Nothing here imports torch, so the worker can log `kv_cache_report` at start for free.
 """
 
@@ -25,7 +31,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -205,8 +211,15 @@ class KVCachePlan:
     prompt_tokens: int
     output_tokens: int
     max_model_len: int
+    tensor_parallel: int = 1          # GPUs the model is split over; every figure is one GPU's
 
     def __post_init__(self) -> None:
+        tp, heads, kv = self.tensor_parallel, self.shape.num_heads, self.shape.num_kv_heads
+        if not isinstance(tp, int) or tp < 1:
+            raise SizingError(f"tensor parallel size must be a positive integer, got {tp!r}")
+        if heads % tp or (kv % tp and tp % kv):
+            raise SizingError(f"{self.shape.name}: tensor parallel {tp} does not split its {heads} attention "
+                              f"heads and {kv} KV heads evenly")
         if self.gpu_bytes <= 0:
             raise SizingError(f"GPU memory must be positive, got {self.gpu_bytes / GIB:g} GiB")
         if not 0 < self.utilisation <= 1:
@@ -235,8 +248,14 @@ class KVCachePlan:
         return self.prompt_tokens + self.output_tokens
 
     @property
+    def kv_shape(self) -> ModelShape:
+        """The shape as one GPU's KV cache sees it: its KV heads."""
+        return replace(self.shape, num_kv_heads=max(1, self.shape.num_kv_heads // self.tensor_parallel))
+
+    @property
     def weights_bytes(self) -> int:
-        return int(self.shape.num_params * dtype_bytes(self.weights_dtype))
+        """One GPU's share (the replicated norms are negligible)."""
+        return int(self.shape.num_params * dtype_bytes(self.weights_dtype) / self.tensor_parallel)
 
     @property
     def usable_bytes(self) -> int:
@@ -248,7 +267,7 @@ class KVCachePlan:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.shape, self.kv_dtype)
+        return kv_bytes_per_token(self.kv_shape, self.kv_dtype)
 
     @property
     def block_bytes(self) -> int:
@@ -260,7 +279,7 @@ class KVCachePlan:
 
     @property
     def request_kv_bytes(self) -> int:
-        return request_kv_bytes(self.shape, self.request_tokens, self.kv_dtype, self.block_size)
+        return request_kv_bytes(self.kv_shape, self.request_tokens, self.kv_dtype, self.block_size)
 
     @property
     def paged_requests(self) -> int:
@@ -268,30 +287,32 @@ class KVCachePlan:
 
     @property
     def contiguous_requests(self) -> int:
-        return self.kv_budget_bytes // reserved_kv_bytes(self.shape, self.max_model_len, self.kv_dtype)
+        return self.kv_budget_bytes // reserved_kv_bytes(self.kv_shape, self.max_model_len, self.kv_dtype)
 
 
 def plan_kv_cache(shape: ModelShape, gpu_memory_gib: float, *, weights_dtype: str = "bfloat16",
                   kv_dtype: str | None = None, block_size: int = 16, utilisation: float = 0.9,
                   overhead_gib: float = 0.0, prompt_tokens: int = 1000, output_tokens: int = 300,
-                  max_model_len: int | None = None) -> KVCachePlan:
+                  max_model_len: int | None = None, tensor_parallel: int = 1) -> KVCachePlan:
     """kv_dtype defaults to the weights' dtype; max_model_len to the model's context."""
     return KVCachePlan(shape=shape, gpu_bytes=int(gpu_memory_gib * GIB), utilisation=utilisation,
                        overhead_bytes=int(overhead_gib * GIB), weights_dtype=weights_dtype,
                        kv_dtype=kv_dtype or weights_dtype, block_size=block_size,
                        prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-                       max_model_len=max_model_len or shape.max_context_length)
+                       max_model_len=max_model_len or shape.max_context_length, tensor_parallel=tensor_parallel)
 
 
 def format_plan(plan: KVCachePlan) -> str:
-    s, gib = plan.shape, GIB
+    s, gib, kv = plan.shape, GIB, plan.kv_shape
+    where = f"a {plan.gpu_bytes / gib:g} GiB GPU" if plan.tensor_parallel == 1 else \
+        f"{plan.tensor_parallel} x {plan.gpu_bytes / gib:g} GiB GPUs (tensor parallel; figures per GPU)"
     lines = [
-        f"{s.name} on a {plan.gpu_bytes / gib:g} GiB GPU (utilisation {plan.utilisation:g}, "
+        f"{s.name} on {where} (utilisation {plan.utilisation:g}, "
         f"overhead {plan.overhead_bytes / gib:g} GiB)",
         f"  shape               {s.num_layers} layers, {s.num_kv_heads} KV heads x {s.head_dim} "
         f"head dim, {s.num_params / 1e9:.2f} B parameters",
         f"  KV per token        {_kib(plan.kv_bytes_per_token)} ({plan.kv_dtype}) = 2 x "
-        f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim} x {DTYPE_BYTES[plan.kv_dtype]:g} bytes",
+        f"{s.num_layers} x {kv.num_kv_heads} x {s.head_dim} x {DTYPE_BYTES[plan.kv_dtype]:g} bytes",
         f"  weights             {plan.weights_bytes / gib:.1f} GiB ({plan.weights_dtype})",
         *_moe_lines(s),
         *_sliding_lines(plan),
@@ -304,7 +325,7 @@ def format_plan(plan: KVCachePlan) -> str:
         f"({math.ceil(plan.request_tokens / plan.block_size)} blocks each"
         f"{', ' + _mib(plan.request_kv_bytes) if s.num_sliding_layers else ''})",
         f"    contiguous        {plan.contiguous_requests} (each reserves the "
-        f"{plan.max_model_len}-token context, {_mib(reserved_kv_bytes(s, plan.max_model_len, plan.kv_dtype))})",
+        f"{plan.max_model_len}-token context, {_mib(reserved_kv_bytes(kv, plan.max_model_len, plan.kv_dtype))})",
     ]
     if plan.contiguous_requests:
         lines.append(f"    paging gain       {plan.paged_requests / plan.contiguous_requests:.1f}x")
@@ -368,18 +389,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="activations and workspace to set aside, GiB (default 0)")
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--output-tokens", type=int, default=300)
+    parser.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], metavar="N",
+                        help="GPUs each model is split over, one or more (default 1)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context each contiguous reservation holds (default: the model's)")
     args = parser.parse_args(argv)
     sections, errors = [], []
     for model in args.model:
-        for gib in args.gpu_memory:
+        for gib, tp in ((gib, tp) for gib in args.gpu_memory for tp in args.tensor_parallel):
             try:
                 sections.append(format_plan(plan_kv_cache(
                     load_shape(model), gib, weights_dtype=args.weights_dtype, kv_dtype=args.kv_dtype,
                     block_size=args.block_size, utilisation=args.utilisation, overhead_gib=args.overhead,
                     prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
-                    max_model_len=args.max_model_len)))
+                    max_model_len=args.max_model_len, tensor_parallel=tp)))
             except SizingError as e:
                 errors.append(str(e))
                 sections.append(str(e))

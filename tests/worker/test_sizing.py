@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from services.worker.model.config import ModelConfig
-from services.worker.sizing import (GIB, SHAPES, ModelShape, SizingError, kv_bytes_per_token,
+from services.worker.sizing import (GIB, SHAPES, ModelShape, SizingError, format_plan, kv_bytes_per_token,
                                     kv_cache_report, load_shape, main, plan_kv_cache, request_kv_bytes)
 
 
@@ -162,3 +162,19 @@ def test_make_sizing_covers_the_new_families():
         assert f"{name} on a 141 GiB GPU" in out
     assert "128 x 768 in 48 layers, top 8: all resident" in out
     assert "40 of 48 layers see the last 1024 tokens" in out
+
+
+def test_tensor_parallel_plans_are_per_gpu():
+    """Llama-3-70B on 4 and 8 H200s: each GPU holds 1/N of the weights and of the 8 KV heads; TP 1 has no room."""
+    shape = SHAPES["llama-3-70b"]
+    with pytest.raises(SizingError, match="no room for even one KV block"):
+        plan_kv_cache(shape, 139.8)
+    four, eight = (plan_kv_cache(shape, 139.8, tensor_parallel=n) for n in (4, 8))
+    assert four.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2 and eight.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2
+    assert eight.weights_bytes == pytest.approx(shape.num_params * 2 / 8, abs=1)
+    assert eight.num_blocks > 2 * four.num_blocks > 0 and eight.paged_requests > four.paged_requests
+    assert "8 x 139.8 GiB GPUs (tensor parallel; figures per GPU)" in format_plan(eight)
+    # 16 ranks over 8 KV heads: each holds one head, replicated on two GPUs.
+    assert plan_kv_cache(shape, 139.8, tensor_parallel=16).kv_bytes_per_token == eight.kv_bytes_per_token
+    with pytest.raises(SizingError, match="tensor parallel 3 does not split its 64 attention heads"):
+        plan_kv_cache(shape, 139.8, tensor_parallel=3)
