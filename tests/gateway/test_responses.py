@@ -5,6 +5,7 @@ function tools, and privacy between organizations."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import openai
@@ -156,3 +157,31 @@ def test_a_reply_cut_at_max_output_tokens_is_incomplete(gateway, client):
     events = list(client.responses.create(model="fake-model", input="Say hi", max_output_tokens=2, stream=True))
     assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_stream_the_client_left_is_stored_as_incomplete_with_what_was_produced(gateway, client, key):
+    body = {"model": "fake-model", "input": "[drip]", "stream": True}
+    with gateway.http.stream("POST", "/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"}) as reply:
+        lines = reply.iter_lines()
+        created = None
+        deltas = 0
+        for line in lines:
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                created = created or event["response"]["id"]
+                deltas += event["type"] == "response.output_text.delta"
+            if deltas >= 5:
+                break
+    deadline = time.monotonic() + 5
+    while True:   # the gateway notices the client left at its next write, then stores what it had
+        gateway.drain()
+        try:
+            stored = client.responses.retrieve(created)
+            break
+        except openai.NotFoundError:
+            assert time.monotonic() < deadline, "the cut stream's response was never stored"
+            time.sleep(0.05)
+    assert stored.status == "incomplete"
+    [message] = stored.output
+    text = message.content[0].text
+    assert text.startswith("d0 d1 d2 d3 d4 ") and text.count("d0 ") == 1

@@ -15,8 +15,8 @@ are not carried over (as OpenAI documents).
 from __future__ import annotations
 
 import json
+import logging
 import secrets
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +31,13 @@ from services.gateway.chat_request import SAMPLING_FIELDS, SamplingRequest, bool
 from services.gateway.completion import Completion, Delta, dumps
 from services.gateway.errors import ApiError, invalid
 from services.gateway.pipeline import Generation, Pipeline
+from services.gateway.request_context import REQUEST_ID
 from services.gateway.routes import read_json
 from services.gateway.routes.chat import check_logit_bias
 from services.gateway.structured import OutputFormat, ToolUse, parse_response_format, parse_tools
 from services.gateway.tool_calls import Parsed, ToolCallParser
 
+log = logging.getLogger(__name__)
 KIND = "response"
 FIELDS = (SAMPLING_FIELDS - {"n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias"}) | {
     "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
@@ -223,6 +225,7 @@ class ResponsesWire:
         self.open: dict[str, Any] | None = None     # the item receiving deltas
         self.sequence = 0
         self.status = "in_progress"
+        self.fed = False                              # deltas were fed (a stream), not the whole text
 
     # events
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -317,6 +320,7 @@ class ResponsesWire:
     def delta(self, delta: Delta) -> list[bytes]:
         if delta.index != 0:
             return []
+        self.fed = True
         return self._feed(delta.text, bool(delta.finish_reason), delta.logprobs)
 
     def _finish(self) -> list[bytes]:
@@ -331,8 +335,9 @@ class ResponsesWire:
         return events + [self._event(kind, response=self.response_object())]
 
     def body(self) -> dict[str, Any]:
+        """The whole response; after a stream cut short, what it had produced."""
         if self.status == "in_progress":
-            self._feed(self.completion.choices[0].content, True)
+            self._feed("" if self.fed else self.completion.choices[0].content, True)
             self._finish()
         return self.response_object()
 
@@ -350,10 +355,15 @@ class StoredResponse:
             response = {**response, "status": "incomplete"}
         output = worker_pb2.ChatMessage(role="assistant", content=completion.choices[0].content)
         messages = [encode_message(m) for m in self.context] + [encode_message(output, response)]
-        most = 64
-        for start in range(0, len(messages), most):
-            await gw.conversations.append(principal.organization.id, self.conversation_id,
-                                          messages[start:start + most], f"{completion.id}:{start}")
+        most = 64   # the conversations service's messages per append
+        try:
+            for start in range(0, len(messages), most):
+                await gw.conversations.append(principal.organization.id, self.conversation_id,
+                                              messages[start:start + most], f"{completion.id}:{start}")
+        except ApiError as e:
+            gw.metrics.conversation_store_failures.labels(code=e.code or str(e.status)).inc()
+            log.error("request %s: response %s NOT stored: %s", REQUEST_ID.get(), completion.id, e.message)
+            raise
 
 
 # -- handlers --------------------------------------------------------------------------------------
