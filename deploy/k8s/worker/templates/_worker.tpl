@@ -2,6 +2,7 @@
 queue-depth metric it scales on. */}}
 
 {{- define "worker.volumes" -}}
+{{- include "worker.checkGpus" . }}
 {{- $from := .Values.model.from }}
 {{- $source := index .Values.model (toString $from) }}
 {{- if not $source }}
@@ -36,4 +37,16 @@ queue-depth metric it scales on. */}}
     target:
       type: AverageValue
       averageValue: {{ .Values.autoscaling.queueDepth.targetAverageValue | quote }}
+{{- end }}
+
+{{/* A tensor-parallel worker (config.engine.tensor_parallel_size N) spans N GPUs of its node: the
+pod must be given exactly N. */}}
+{{- define "worker.checkGpus" -}}
+{{- $tp := int (default 1 .Values.config.engine.tensor_parallel_size) }}
+{{- range $kind := list "requests" "limits" }}
+{{- $gpus := int (index (index $.Values.resources $kind | default dict) "nvidia.com/gpu" | default 0) }}
+{{- if and (gt $tp 1) (ne $tp $gpus) }}
+{{- fail (printf "config.engine.tensor_parallel_size %d needs resources.%s nvidia.com/gpu: %d (it is %d)" $tp $kind $tp $gpus) }}
+{{- end }}
+{{- end }}
 {{- end }}
