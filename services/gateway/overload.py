@@ -7,7 +7,9 @@ workers report speeds, the streams they can run while each gets overload.stream_
 max_in_flight_per_model). Gateway replicas share it: each takes 1/replicas, rounded up, within
 [min_in_flight_per_model, max_in_flight_per_model]. A request is also held back while the prompt
 tokens queued in the pool (reported, plus what this replica admitted since) would keep its first
-token past overload.ttft_target_s; a request alone in flight is never held back.
+token past overload.ttft_target_s; a request alone in flight is never held back. An organization
+with nothing in flight is not kept waiting behind others' streams: it may take one of a few slots
+past the limit (a quarter of it, at least one), so a light user stays interactive during a flood.
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A newcomer whose estimated wait (its place in that order x the mean
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Mapping, Sequence
@@ -66,6 +69,7 @@ class _ModelGate:
         self.queue = FairQueue()
         self.pool = PoolEstimator()
         self.since_report: list[int] = []     # prompt tokens admitted here since the pool's last report
+        self.org_in_flight: Counter[str] = Counter()
         self.hold_s = 0.0                     # mean time a stream holds its slot (0: none measured)
 
 
@@ -124,7 +128,9 @@ class OverloadGuard:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def _fits(self, gate: _ModelGate) -> bool:
+    def _fits(self, gate: _ModelGate, org: str) -> bool:
+        if gate.org_in_flight[org] == 0 and gate.in_flight < gate.limit + max(1, gate.limit // 4):
+            return True
         if gate.in_flight >= gate.limit:
             return False
         if gate.in_flight == 0 or not self._cfg.follow_pool_load:
@@ -145,12 +151,16 @@ class OverloadGuard:
 
     def _grant(self, model: str, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int) -> None:
         gate.in_flight += 1
+        gate.org_in_flight[org] += 1
         gate.queue.charge(org, cost, weight)
         gate.since_report.append(prompt_tokens)
 
     def _wake(self, model: str, gate: _ModelGate) -> None:
-        while len(gate.queue) and self._fits(gate):
-            waiter = gate.queue.pop()
+        while len(gate.queue):
+            waiter = gate.queue.peek()
+            if not waiter.future.done() and not self._fits(gate, waiter.org):
+                break
+            gate.queue.pop()
             if waiter.future.done():
                 continue
             self._grant(model, gate, waiter.org, waiter.cost, waiter.weight, waiter.prompt_tokens)
@@ -174,7 +184,7 @@ class OverloadGuard:
         cost = token_cost(prompt_tokens, max_tokens or cfg.default_output_tokens)
         gate.queue.join(org)
         try:
-            if not len(gate.queue) and self._fits(gate):
+            if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org):
                 self._grant(model, gate, org, cost, weight, prompt_tokens)
                 self.metrics.decisions.labels(model=model, organization=org, decision="admitted").inc()
             else:
@@ -196,6 +206,7 @@ class OverloadGuard:
             held = time.monotonic() - ticket.admitted_at
             gate.hold_s = held if not gate.hold_s else gate.hold_s + HOLD_ALPHA * (held - gate.hold_s)
             gate.in_flight -= 1
+            self._forget(gate, org)
             gate.queue.leave(org)
             in_flight.set(gate.in_flight)
             self._wake(model, gate)
@@ -217,7 +228,7 @@ class OverloadGuard:
             await asyncio.wait_for(asyncio.shield(waiter.future), cfg.queue_timeout_s)
         except BaseException as e:
             if waiter.future.done() and not waiter.future.cancelled():
-                self._release_granted(model, gate)       # granted just as we gave up: hand it on
+                self._release_granted(model, gate, waiter.org)   # granted just as we gave up: hand it on
             else:
                 waiter.future.cancel()
             gate.queue.discard(waiter)
@@ -231,6 +242,13 @@ class OverloadGuard:
         if estimate is not None:
             self.metrics.queue_wait_estimate.labels(model=model).observe(estimate)
 
-    def _release_granted(self, model: str, gate: _ModelGate) -> None:
+    def _release_granted(self, model: str, gate: _ModelGate, org: str) -> None:
         gate.in_flight -= 1
+        self._forget(gate, org)
         self._wake(model, gate)
+
+    @staticmethod
+    def _forget(gate: _ModelGate, org: str) -> None:
+        gate.org_in_flight[org] -= 1
+        if gate.org_in_flight[org] <= 0:
+            del gate.org_in_flight[org]

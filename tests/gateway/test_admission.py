@@ -136,7 +136,8 @@ async def test_fair_order_between_organizations_and_priority_classes():
         tasks.append(asyncio.create_task(one("C", priority=-1)))   # interactive over batch
         await asyncio.sleep(0.01)
     await asyncio.gather(*tasks)
-    assert order[0] == "C" and order.index("B") <= 2, order
+    # B had nothing in flight: admitted at once on a slot past the limit; of those waiting, C's class first.
+    assert order[:2] == ["B", "C"], order
 
     order.clear()
     async with g.admit("m", org="X"):
@@ -152,18 +153,18 @@ async def test_refusals_carry_retry_after_from_the_drain_estimate_and_cancelled_
     for _ in range(2):                           # streams of about 0.4 s: the mean hold is measured
         async with g.admit("m"):
             await asyncio.sleep(0.4)
-    async with contextlib.AsyncExitStack() as held:
+    async with contextlib.AsyncExitStack() as held:   # one organization: no slot past the limit
         for _ in range(2):
             await held.enter_async_context(g.admit("m"))
-        cancelled = asyncio.create_task(held.enter_async_context(g.admit("m", org="gone")))
+        cancelled = asyncio.create_task(held.enter_async_context(g.admit("m")))
         await asyncio.sleep(0.02)
         cancelled.cancel()
         await asyncio.gather(cancelled, return_exceptions=True)
-        queued = asyncio.create_task(held.enter_async_context(g.admit("m", org="q")))   # 1 x 0.4 / 2: queued
+        queued = asyncio.create_task(held.enter_async_context(g.admit("m")))   # 1 x 0.4 / 2: queued
         await asyncio.sleep(0.02)
         started = time.monotonic()
         with pytest.raises(Overloaded) as refused:   # one ahead: 2 x 0.4 / 2 = 0.4 s > the 0.3 s wait
-            await held.enter_async_context(g.admit("m", org="late"))
+            await held.enter_async_context(g.admit("m"))
         assert time.monotonic() - started < 0.05   # at once, not after the timeout
         assert "estimated wait" in refused.value.message
         retry_ms = int(refused.value.headers["retry-after-ms"])
