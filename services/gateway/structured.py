@@ -181,6 +181,10 @@ class ToolUse:
     def tools_json(self) -> str:
         return _dumps([t.definition() for t in self.tools]) if self.active else ""
 
+    @property
+    def max_calls(self) -> int | None:
+        return None if self.parallel else 1
+
     def parser_format(self, model_format: str) -> str | None:
         """How the reply is parsed: named | required | the model's own format; None: no tools."""
         if not self.active:

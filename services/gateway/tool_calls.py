@@ -61,19 +61,24 @@ class Parsed:
 
 
 class _Calls:
-    """The calls found so far; arguments before a call's name are held until the name is known."""
+    """The calls found so far; arguments before a call's name are held until the name is known.
+    Calls past max_calls (parallel_tool_calls false) are read and dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
         self.calls: list[ToolCall] = []
+        self.max_calls = max_calls
         self._pending_args: str = ""
-        self._open = False        # a call object is being read
-        self._named = False       # its header went out
+        self._named = False       # the current call's header went out
+        self._dropped = False     # the current call is past max_calls
 
     def begin(self) -> None:
-        self._open, self._named, self._pending_args = True, False, ""
+        self._named, self._dropped, self._pending_args = False, False, ""
 
     def name(self, name: str, out: Parsed) -> None:
-        if self._named:
+        if self._named or self._dropped:
+            return
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            self._dropped, self._pending_args = True, ""
             return
         self._named = True
         call = ToolCall(new_call_id(), name)
@@ -84,7 +89,7 @@ class _Calls:
             self._pending_args = ""
 
     def arguments(self, text: str, out: Parsed) -> None:
-        if not text:
+        if not text or self._dropped:
             return
         if not self._named:
             self._pending_args += text
@@ -98,7 +103,7 @@ class _Calls:
             out.calls.append(CallDelta(index, text))
 
     def end(self) -> None:
-        self._open = False
+        self._pending_args = ""   # arguments of a call that never named its function
 
 
 class CallScanner:
@@ -257,9 +262,9 @@ def _decoded(raw: str) -> str:
 class ToolCallParser:
     """One choice's text through one format. feed() per delta, finish() at the end."""
 
-    def __init__(self, fmt: str, function: str | None = None):
+    def __init__(self, fmt: str, function: str | None = None, max_calls: int | None = None):
         self.format = fmt
-        self._calls = _Calls()
+        self._calls = _Calls(max_calls)
         self._held = ""                  # text that may be the start of a marker
         self._scanner: CallScanner | None = None
         self._decided = False            # llama3_json: whether the text is a call at all
@@ -362,8 +367,9 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_whole(fmt: str, text: str, function: str | None = None) -> tuple[str, list[ToolCall]]:
+def parse_whole(fmt: str, text: str, function: str | None = None, max_calls: int | None = None
+                ) -> tuple[str, list[ToolCall]]:
     """A finished text: its content and calls (the non-streamed response)."""
-    parser = ToolCallParser(fmt, function)
+    parser = ToolCallParser(fmt, function, max_calls)
     first, last = parser.feed(text), parser.finish()
     return first.content + last.content, parser.calls

@@ -216,9 +216,8 @@ async def test_pydantic_ai_structured_output_agent(platform: Platform):
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{platform.gateway}/v1",
                                                            api_key=platform.api_key))
     agent = Agent(model, output_type=City)   # the output comes back as a forced tool call
-    for prompt in ("Describe Paris.", "Describe Berlin."):
-        result = await agent.run(prompt, model_settings={"temperature": 0, "max_tokens": 100})
-        assert isinstance(result.output, City)
+    result = await agent.run("Describe Berlin.", model_settings={"temperature": 0, "max_tokens": 100})
+    assert isinstance(result.output, City)
 
 
 # -- bad input through the real workers ---------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from services.gateway.structured import closed, parse_response_format, parse_tools
@@ -121,8 +120,7 @@ def scripted(reply: str, **extra) -> dict:
                                                 {"role": "user", "content": "[reply-system]"}], **extra}
 
 
-def test_auto_tool_call_whole_and_streamed_through_the_sdk(gateway, key):
-    client = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0)
+def test_auto_tool_call_whole_and_streamed_through_the_sdk(gateway, client):
     reply = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     whole = client.chat.completions.create(**scripted(reply), tools=[WEATHER])
     choice = whole.choices[0]
@@ -147,8 +145,7 @@ def test_auto_tool_call_whole_and_streamed_through_the_sdk(gateway, key):
     assert final.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
 
 
-def test_required_and_named_send_constraints_and_parse_calls(gateway, key):
-    client = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0)
+def test_required_and_named_send_constraints_and_parse_calls(gateway, client):
     required = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
     chunks = list(client.chat.completions.create(**scripted(required), tools=[WEATHER, TIME],
                                                  tool_choice="required", stream=True))
@@ -266,3 +263,18 @@ def test_structured_outputs_extension_goes_upstream(gateway, key):
 def test_bad_structured_outputs_name_the_param(gateway, key, patch, param):
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], **patch}
     assert_error(post(gateway, key, body), 400, param=param)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(gateway, client):
+    two = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>' \
+          '<tool_call>{"name": "get_time", "arguments": {"city": "B"}}</tool_call>'
+    assert [(c.name, c.arguments) for c in parse_whole("hermes", two, max_calls=1)[1]] == [
+        ("get_weather", '{"city": "A"}')]
+    whole = client.chat.completions.create(**scripted(two), tools=[WEATHER, TIME], parallel_tool_calls=False)
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_weather"]
+    chunks = list(client.chat.completions.create(**scripted(two), tools=[WEATHER, TIME], parallel_tool_calls=False,
+                                                 stream=True))
+    indexes = {d.index for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []}
+    assert indexes == {0}
+    both = client.chat.completions.create(**scripted(two), tools=[WEATHER, TIME])
+    assert [c.function.name for c in both.choices[0].message.tool_calls] == ["get_weather", "get_time"]

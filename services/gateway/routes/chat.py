@@ -34,7 +34,7 @@ class ChatWire:
         self.completion = completion
         self.tool_format = tool_format
         self.function = req.tools.choice if req.tools.named else None
-        self.parsers = [ToolCallParser(tool_format, self.function) for _ in completion.choices] \
+        self.parsers = [ToolCallParser(tool_format, self.function, req.tools.max_calls) for _ in completion.choices] \
             if tool_format else []
 
     def opening(self) -> list[bytes]:
@@ -70,7 +70,7 @@ class ChatWire:
         if not self.tool_format:
             return response
         for choice, out in zip(self.completion.choices, response["choices"]):
-            content, calls = parse_whole(self.tool_format, choice.content, self.function)
+            content, calls = parse_whole(self.tool_format, choice.content, self.function, self.req.tools.max_calls)
             if calls:
                 out["message"]["content"] = content or None
                 out["message"]["tool_calls"] = [c.message_entry() for c in calls]

@@ -220,7 +220,7 @@ class ResponsesWire:
         self.req = req
         self.completion = completion
         function = req.tools.choice if req.tools.named else None
-        self.parser = ToolCallParser(tool_format, function) if tool_format else None
+        self.parser = ToolCallParser(tool_format, function, req.tools.max_calls) if tool_format else None
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None     # the item receiving deltas
         self.sequence = 0
