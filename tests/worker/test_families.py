@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worker.families import WINDOW, build_family, check_4x_layout, check_engine, check_worker, load
+from tests.worker.families import (COMMON, WINDOW, assert_matches, build_family, check_4x_layout, check_engine,
+                                   check_worker, engine_outputs, load, prompts, reference_greedy, save_checkpoint)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ORIGINAL = 48   # pretraining length of the length-dependent scalings: prompts fit, decoding runs past it
@@ -85,3 +86,19 @@ def test_config_in_the_4x_layout_gives_the_same_model(family, tmp_path):
 def test_gemma3_served_by_a_worker_over_grpc(family, tmp_path):
     _, folder, references = family
     check_worker(tmp_path, folder, references)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, smollm2_tokenizer):
+    """model_type gemma3 (gemma-3-4b and up): text_config read, language_model.* tensors loaded,
+    the vision tower's and projector's left out; greedy tokens as transformers' text-only forward."""
+    text = {**COMMON, **CASES["gemma3_text"][1], "model_type": "gemma3_text"}
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    model = save_checkpoint(tmp_path, smollm2_tokenizer, "gemma3", text_config=text, vision_config=vision,
+                            mm_tokens_per_image=4, boi_token_index=1021, eoi_token_index=1022,
+                            image_token_index=1023, tie_word_embeddings=False)
+    loaded = load(tmp_path)
+    assert loaded.config.architecture == "gemma3_text" and loaded.config.layer_types == (SLIDING, FULL, SLIDING)
+    ours, _ = engine_outputs(loaded, prompts())
+    for rid, ids in prompts().items():
+        assert_matches(ours[rid], reference_greedy(model, ids), f"gemma3 multimodal {rid}")

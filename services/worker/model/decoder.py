@@ -27,6 +27,9 @@ from services.worker.parallel.group import SINGLE, TensorParallel
 
 # Tensors some checkpoints carry that the model recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Where a multimodal checkpoint keeps its language model (Gemma 3: saved, and as transformers 5 holds it).
+_LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                            "language_model.lm_head.": "lm_head."}
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class CausalLM(nn.Module):
 
     norm_class: type[RMSNorm] = RMSNorm
     WEIGHT_RULES: tuple[WeightRule, ...] = ATTENTION_RULES + MLP_RULES
+    IGNORED_PREFIXES: tuple[str, ...] = ()     # tensors of other models in the checkpoint (a vision tower)
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE):
@@ -135,7 +139,9 @@ class CausalLM(nn.Module):
         covered = {name: torch.zeros(_rows_shape(_hf_view(name, p)), dtype=torch.bool) for name, p in params.items()}
         tied = self.config.tie_word_embeddings
         for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            hf_name = _language_model_name(hf_name)
+            if hf_name.startswith(self.IGNORED_PREFIXES) or hf_name.endswith(_IGNORED_SUFFIXES) \
+                    or (tied and hf_name == "lm_head.weight"):
                 continue  # some tied checkpoints store the head anyway: it is the embedding
             targets = [self._place(hf_name, params)]
             if tied and hf_name == "model.embed_tokens.weight":
@@ -223,6 +229,13 @@ _SEGMENTS = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 def _along(dim: int, index: slice) -> tuple:
     """An index applying `index` along dimension `dim` (negative: from the end)."""
     return (Ellipsis, index) + (slice(None),) * (-dim - 1) if dim < 0 else (slice(None),) * dim + (index,)
+
+
+def _language_model_name(hf_name: str) -> str:
+    for prefix, replacement in _LANGUAGE_MODEL_PREFIXES.items():
+        if hf_name.startswith(prefix):
+            return replacement + hf_name.removeprefix(prefix)
+    return hf_name
 
 
 def _hf_view(name: str, param: torch.Tensor) -> torch.Tensor:

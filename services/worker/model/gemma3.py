@@ -6,6 +6,7 @@
 - GeGLU MLP (tanh-approximated GELU), q/k norms, softmax scale query_pre_attn_scalar ** -0.5.
 - Sliding-window layers beside global ones, each kind with its own rotary base
   (CausalLM.sliding_rotary); optional final logit soft-capping.
+Multimodal checkpoints (model_type gemma3, gemma-3-4b and up) serve their text model.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(CausalLM):
+    """Also the text model of a multimodal Gemma 3 checkpoint; its vision tower is not loaded."""
     norm_class = GemmaRMSNorm
+    IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
     def make_layer(self, layer: int, attention: AttentionBackend, dtype, device) -> nn.Module:
         return Gemma3DecoderLayer(self.config, layer, attention, dtype, device, self.tp)

@@ -53,9 +53,14 @@ def model_config_from_hf(name: str, hf: dict, bos_token_id: int | None = None,
                          eos_token_ids: list[int] | None = None) -> ModelConfig:
     """Raises HFConfigError (a ValueError) naming the config.json field it cannot use."""
     model_type = hf.get("model_type")
+    if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):
+        # Gemma 3's multimodal checkpoints (gemma-3-4b and up): served as their text model.
+        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **hf["text_config"],
+              "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
     if model_type not in READERS:
         raise HFConfigError(f"model_type {model_type!r} is not supported "
-                            f"(supported: {', '.join(READERS)})")
+                            f"(supported: {', '.join(READERS)}, gemma3)")
     r = _Reader(hf)
     try:
         fields = _common(r)
