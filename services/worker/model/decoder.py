@@ -11,6 +11,7 @@ every full checkpoint tensor (the parameter's TPSplit says which).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,9 +44,13 @@ class WeightRule:
     target: str
     shard: str = ""
 
-    def __post_init__(self):
-        object.__setattr__(self, "_source_re", _template_re(self.source))
-        object.__setattr__(self, "_target_re", _template_re(self.target))
+    @functools.cached_property
+    def source_re(self) -> re.Pattern:
+        return _template_re(self.source)
+
+    @functools.cached_property
+    def target_re(self) -> re.Pattern:
+        return _template_re(self.target)
 
 
 def _template_re(template: str) -> re.Pattern:
@@ -159,7 +164,7 @@ class CausalLM(nn.Module):
         """Hugging Face tensor name -> (our parameter name, its index in the parameter's HF view)."""
         name = hf_name.removeprefix("model.")
         for rule in self.WEIGHT_RULES:
-            match = rule._source_re.fullmatch(name)
+            match = rule.source_re.fullmatch(name)
             if match:
                 groups = match.groupdict()
                 name = rule.target.format(L=groups.get("L"), E=groups.get("E")) + groups["rest"]
@@ -209,7 +214,7 @@ class CausalLM(nn.Module):
         hf_rest = name.removesuffix("_t")
         hints = []
         for rule in self.WEIGHT_RULES:
-            match = rule._target_re.fullmatch(hf_rest)
+            match = rule.target_re.fullmatch(hf_rest)
             if not match:
                 continue
             groups = match.groupdict()

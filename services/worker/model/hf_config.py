@@ -176,7 +176,7 @@ def _layer_rope(r: _Reader, layer_type: str, theta_key: str, default_theta: floa
 
 # --- families -----------------------------------------------------------------------------------
 
-def _all_sliding(r: _Reader, fields: dict, window) -> dict:
+def _all_sliding(fields: dict, window) -> dict:
     if window is None:
         return {}
     return {"sliding_window": window, "layer_types": (SLIDING_ATTENTION,) * fields["num_layers"]}
@@ -206,13 +206,13 @@ def _qwen3(r: _Reader, fields: dict) -> dict:
 
 
 def _mistral(r: _Reader, fields: dict) -> dict:
-    return {"architecture": "mistral", **_all_sliding(r, fields, r.get("sliding_window"))}
+    return {"architecture": "mistral", **_all_sliding(fields, r.get("sliding_window"))}
 
 
 def _phi3(r: _Reader, fields: dict) -> dict:
     """Fused qkv_proj and gate_up_proj in the checkpoint, longrope scaling, partial rotary."""
     return {"architecture": "phi3", "rms_norm_eps": r.get("rms_norm_eps", 1e-5),
-            **_all_sliding(r, fields, r.get("sliding_window"))}
+            **_all_sliding(fields, r.get("sliding_window"))}
 
 
 def _gemma3_text(r: _Reader, fields: dict) -> dict:
@@ -251,14 +251,14 @@ def _qwen3_moe(r: _Reader, fields: dict) -> dict:
             "num_experts_per_tok": r.require("num_experts_per_tok"),
             "moe_intermediate_size": r.require("moe_intermediate_size"),
             "moe_renormalize": bool(r.get("norm_topk_prob", False)), "dense_layers": dense,
-            **_all_sliding(r, fields, window)}
+            **_all_sliding(fields, window)}
 
 
 def _mixtral(r: _Reader, fields: dict) -> dict:
     return {"architecture": "mixtral", "rms_norm_eps": r.get("rms_norm_eps", 1e-5),
             "num_experts": r.require("num_local_experts"), "num_experts_per_tok": r.require("num_experts_per_tok"),
             "moe_intermediate_size": fields["intermediate_size"], "moe_renormalize": True,
-            **_all_sliding(r, fields, r.get("sliding_window"))}
+            **_all_sliding(fields, r.get("sliding_window"))}
 
 
 READERS: dict[str, Callable[[_Reader, dict], dict]] = {
