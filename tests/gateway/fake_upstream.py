@@ -50,7 +50,8 @@ class FakeGeneration(worker_pb2_grpc.GenerationServicer, router_pb2_grpc.RouterS
         self.models = dict(MODELS)   # name -> context length; 0: no worker has reported yet
 
     def find(self, marker: str) -> list[CallRecord]:
-        return [c for c in self.calls if marker in c.request.chat.messages[-1].content]
+        return [c for c in self.calls if marker in (c.request.chat.messages[-1].content if c.request.chat.messages
+                                                   else c.request.text)]
 
     async def ListModels(self, request, context):
         return worker_pb2.ListModelsResponse(models=[
