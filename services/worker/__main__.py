@@ -23,7 +23,7 @@ from llmserve.config import load_config
 from llmserve.metrics_http import MetricsServer
 from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig
-from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.async_engine import AsyncEngine, EngineDead
 from services.worker.engine.build import build_engine
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import GenerationServicer, ServedModel
@@ -68,7 +68,10 @@ async def serve(cfg: WorkerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if built.parallel is not None:   # a rank died: the engine cannot step, so the worker goes
-        built.parallel.on_failure(lambda reason: loop.call_soon_threadsafe(stop.set))
+        def rank_failed(reason: str) -> None:
+            async_engine.fail_streams(EngineDead(f"tensor parallel worker failed: {reason}"))
+            loop.call_soon_threadsafe(stop.set)
+        built.parallel.on_failure(rank_failed)
     await stop.wait()
     # Drain: report NOT_SERVING so routers stop sending, let running requests finish.
     log.info("draining for up to %.1fs", cfg.server.grace_period_s)

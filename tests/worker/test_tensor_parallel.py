@@ -106,9 +106,12 @@ def test_a_rank_killed_mid_stream_ends_the_worker(family, tmp_path):
                 engine__tensor_parallel_size="2", engine__tensor_parallel_timeout_s=str(timeout_s),
                 server__grace_period_s="3") as w, grpc.insecure_channel(w.address) as channel:
         stub = worker_pb2_grpc.GenerationStub(channel)
-        stream = _generate(stub, prompts()["long"], 200)
-        next(stream)
+        assert len([t for r in _generate(stub, prompts()["short"], 8) for t in r.token_ids]) == 8
         (rank,) = _rank_pids(w.process.pid)
+        # Frozen, so the next stream is in flight with rank 0 waiting in a collective; then gone.
+        os.kill(rank, signal.SIGSTOP)
+        stream = _generate(stub, prompts()["long"], 200)
+        time.sleep(1.0)
         os.kill(rank, signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(grpc.RpcError) as error:
@@ -117,11 +120,17 @@ def test_a_rank_killed_mid_stream_ends_the_worker(family, tmp_path):
         assert time.monotonic() - killed < timeout_s + 2
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
         assert "tp-rank-1" in error.value.details() or "collective" in error.value.details()
-        try:   # draining: NOT_SERVING, or already refusing calls
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.UNAVAILABLE
+        deadline, status = time.monotonic() + 5, None
+        while time.monotonic() < deadline:   # draining: NOT_SERVING, then refusing calls as it exits
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                status = "gone"
+            if status in (health_pb2.HealthCheckResponse.NOT_SERVING, "gone"):
+                break
+            time.sleep(0.1)
+        assert status in (health_pb2.HealthCheckResponse.NOT_SERVING, "gone"), status
         assert w.process.wait(timeout=30) != 0
         assert "tensor parallel group broken" in w.log()
 

@@ -51,7 +51,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stats = engine.stats()
-        self._dead: EngineDead | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -60,6 +59,11 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)
+
+    def fail_streams(self, error: EngineDead) -> None:
+        """End every open stream with error now (any thread): the engine cannot go on."""
+        for request_id in list(self._streams):
+            self._send(request_id, error)
 
     @property
     def stats(self) -> EngineStats:
@@ -105,9 +109,6 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except EngineDead as e:   # the engine cannot step again (a tensor-parallel rank died)
-                self._dead = e
-                break
             except Exception as e:  # a failed pass must not stop the loop
                 outputs = self.engine.fail_step(e)
             self._stats = self.engine.stats()
@@ -115,7 +116,7 @@ class AsyncEngine:
             if self._on_step is not None:
                 self._on_step(outputs)
         for request_id in list(self._streams):
-            self._send(request_id, self._dead or EngineDead("the engine stopped"))
+            self._send(request_id, EngineDead("the engine stopped"))
 
     def _apply_commands(self, block: bool) -> None:
         try:
