@@ -185,3 +185,11 @@ def test_a_stream_the_client_left_is_stored_as_incomplete_with_what_was_produced
     [message] = stored.output
     text = message.content[0].text
     assert text.startswith("d0 d1 d2 d3 d4 ") and text.count("d0 ") == 1
+
+
+def test_a_stored_response_is_no_chat_conversation_to_resume(gateway, client, key):
+    response = client.responses.create(model="fake-model", input="hi")
+    gateway.drain()
+    conversation_id = str(uuid.UUID(hex=response.id.removeprefix("resp_")))
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "conversation_id": conversation_id}
+    assert_error(post(gateway, key, body), 404, "conversation_not_found", "conversation_id")
