@@ -86,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_moe(SMOKE_MOE_SHAPES if args.smoke else MOE_SHAPES, device, record)
     harness.check_imports()   # the kernels alone; the engine below reads SmolLM2's vocabulary where installed
     check_decode_graphs(device, rows)
+    check_seeded_sampling(device, rows)
 
     harness.report("gpu_correctness.md", f"# Triton kernels against PyTorch on "
                    f"{harness.device_name(device)}\n\n"
@@ -181,6 +182,37 @@ def check_decode_graphs(device, rows) -> None:
     path = "CUDA graphs" if device.type == "cuda" else "padded, eager (no CUDA)"
     rows.append([f"engine greedy tokens, decode through {path} vs eager", "tiny", "float32",
                  f"{same}/{len(prompts)} sequences equal", "exact", "", "PASS" if same == len(prompts) else "FAIL"])
+
+
+def check_seeded_sampling(device, rows) -> None:
+    """A seeded request sampled beside unseeded and greedy ones on this device: nobody is aborted
+    (a generator on another device than the logits fails the step) and the seeded tokens are
+    the same as when it runs alone."""
+    from services.worker.config import EngineConfig, ModelSourceConfig
+    from services.worker.engine.build import build_engine
+    from services.worker.engine.sampling_params import SamplingParams
+
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    batch = {"seeded": seeded, "unseeded": SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+             "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)}
+    runs = {}
+    for label, requests in (("batch", batch), ("alone", {"seeded": seeded})):
+        engine = build_engine(ModelSourceConfig(source="random:tiny", device=device.type, dtype="float32"),
+                              EngineConfig(num_blocks=64, max_model_len=512)).engine
+        for i, (rid, params) in enumerate(requests.items()):
+            engine.add_request(rid, list(range(200 + 40 * i, 230 + 40 * i)), params)
+        tokens, finish = {rid: [] for rid in requests}, {}
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+                if out.finished:
+                    finish[out.request_id] = out.finish_reason
+        runs[label] = tokens, finish
+    (tokens, finish), (alone, _) = runs["batch"], runs["alone"]
+    ok = set(finish.values()) == {"length"} and tokens["seeded"] == alone["seeded"]
+    rows.append(["engine seeded sampling beside unseeded and greedy rows", "tiny", "float32",
+                 f"finish {sorted(set(finish.values()))}, seeded alone = in batch: {tokens['seeded'] == alone['seeded']}",
+                 "exact", "", "PASS" if ok else "FAIL"])
 
 
 if __name__ == "__main__":

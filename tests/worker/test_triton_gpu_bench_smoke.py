@@ -16,7 +16,8 @@ def test_gpu_bench_smoke_run(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     correctness = (tmp_path / "gpu_correctness.md").read_text()
-    assert correctness.count("| PASS |") == 16 and "FAIL" not in correctness
+    assert correctness.count("| PASS |") == 17 and "FAIL" not in correctness
+    assert "engine seeded sampling beside unseeded and greedy rows | tiny | float32 | finish ['length']" in correctness
     assert "decode through padded, eager (no CUDA) vs eager | tiny | float32 | 5/5 sequences equal" in correctness
     assert "split-KV x2" in correctness  # the split path was checked too
     assert "long decode, window 520, backend (split-KV x2)" in correctness   # and with a window

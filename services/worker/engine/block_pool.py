@@ -89,6 +89,12 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, token_ids
         self._cached.setdefault(block_hash, block)
 
+    def unregister(self, block: KVBlock) -> None:
+        """Make a block unfindable again (its keys and values were never written)."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash, block.token_ids = None, ()
+
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
             block.block_hash, block.token_ids = None, ()

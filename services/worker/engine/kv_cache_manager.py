@@ -4,7 +4,8 @@ A full block's identity is H(parent block hash, its token ids, cache salt), so a
 shared only by requests whose whole prefix up to and including it is identical. A block is
 registered in the cache as soon as the step that fills it is scheduled: a request admitted in
 the same step can already share it, because every layer writes the step's keys and values
-before it attends.
+before it attends. Until that step has run, its registrations are kept (registered_in_step):
+a step that fails takes them back (unregister_step), so no later request hits unwritten KV.
 
 With a sliding window shared by every layer (sliding_window=W), a block that lies wholly before
 the window of the first token a step schedules for a request is never read again (a step's
@@ -39,6 +40,16 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[int]] = {}
+        self.registered_in_step: list[KVBlock] = []   # since begin_step, their KV not yet written
+
+    def begin_step(self) -> None:
+        self.registered_in_step.clear()
+
+    def unregister_step(self) -> None:
+        """The step failed: the blocks it registered hold no valid KV, so nobody may find them."""
+        for block in self.registered_in_step:
+            self.pool.unregister(block)
+        self.registered_in_step.clear()
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
@@ -114,6 +125,7 @@ class KVCacheManager:
         for i in range(num_full):
             if blocks[i].block_hash is None and blocks[i] is not self._null:
                 self.pool.register(blocks[i], hashes[i], self._block_tokens(tokens, i))
+                self.registered_in_step.append(blocks[i])
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first num_blocks full blocks (memoised per request)."""

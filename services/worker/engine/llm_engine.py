@@ -22,15 +22,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.load_stats import LoadSnapshot, LoadStats
-from services.worker.engine.model_runner import ModelRunner
+from services.worker.engine.model_runner import ModelRunner, RequestStepError
 from services.worker.engine.output_processor import RequestOutput, RequestOutputState
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
-from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.worker.engine.structured.compiler import GrammarCompiler
 from services.worker.engine.structured.step_masks import StepMasks
 from services.worker.model.tokenizer import Tokenizer
@@ -115,6 +117,8 @@ class LLMEngine:
                         parent_id=request_id, share=share)
             if params.constraint is not None:
                 r.matcher = self.grammars.matcher(params.constraint)
+            if params.seed is not None:   # where the logits it draws for live (a CPU one would fail on CUDA)
+                r.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             siblings.append(r)
             self._states[r.request_id] = RequestOutputState(r, self.tokenizer)
             self.scheduler.add(r)
@@ -141,10 +145,15 @@ class LLMEngine:
             return []
         started = time.monotonic()
         masks = StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
+        failure = None
         try:
             results = self.runner.execute(plan.scheduled, masks)
+        except Exception as error:
+            failure = error
         finally:
             masks.wait()   # past the step, only the engine thread touches matchers
+        if failure is not None:
+            return self._recover(plan, failure)
         now = time.monotonic()
         self.load_stats.record(plan.scheduled, now - started)
         outputs = []
@@ -173,8 +182,23 @@ class LLMEngine:
         self._propose()
         return outputs
 
+    def _recover(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A step whose forward pass failed, before any request state moved: abort the requests it
+        can blame (all of the step's, when the runner cannot say) and run the others again."""
+        blamed = ({item.request.request_id for item in plan.scheduled} if not isinstance(error, RequestStepError)
+                  else set(error.request_ids))
+        log.exception("engine step failed; aborting %d of its %d requests", len(blamed), len(plan.scheduled),
+                      exc_info=error)
+        self.scheduler.roll_back(plan, blamed)
+        outputs = []
+        for r in (item.request for item in plan.scheduled):
+            if r.request_id in blamed and r.parent_id in self._requests:
+                outputs += self.abort_request(r.parent_id)
+        return outputs
+
     def fail_step(self, error: Exception) -> list[RequestOutput]:
-        """After a failed forward pass: abort what was running so the engine stays usable."""
+        """After a step that failed outside the forward pass (its state half updated): abort what
+        was running so the engine stays usable."""
         log.exception("engine step failed; aborting running requests", exc_info=error)
         outputs = []
         for r in list(self.scheduler.running):

@@ -43,6 +43,14 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
+class RequestStepError(RuntimeError):
+    """A step failed because of these requests alone; the rest of its batch can run again."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"requests {request_ids}: {cause!r}")
+        self.request_ids = request_ids
+
+
 class SeqSpan(NamedTuple):
     """One sequence's new tokens in a forward pass."""
     token_ids: list[int]
@@ -108,8 +116,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest], masks: StepMasks | None = None) -> dict[str, StepResult]:
-        """masks: the grammar masks of the batch's constrained requests (none: unconstrained)."""
-        masks = masks or StepMasks()
+        """masks: the grammar masks of the batch's constrained requests (none: unconstrained).
+        Raises RequestStepError when the failure is some requests' own; a failed step leaves the
+        seeded generators as they were, so a request run again draws the same numbers."""
+        generators = [b.request.generator for b in batch if b.request.generator is not None]
+        states = [g.get_state() for g in generators]
+        try:
+            return self._execute(batch, masks or StepMasks())
+        except Exception:
+            for g, state in zip(generators, states):
+                g.set_state(state)
+            raise
+
+    def _execute(self, batch: list[ScheduledRequest], masks: StepMasks) -> dict[str, StepResult]:
         drafts = self._drafts(batch)
         if self._graph_step(batch):
             logits = self.decode_graphs.run([b.request.all_token_ids[b.start_position] for b in batch],
@@ -152,18 +171,35 @@ class ModelRunner:
                 plain.append(item)
                 plain_rows.append(offset)
             else:
-                results[item.request.request_id] = self._verify(
-                    item, logits[offset:offset + k + 1], drafts[item.request.request_id], masks)
+                rid = item.request.request_id
+                try:
+                    results[rid] = self._verify(item, logits[offset:offset + k + 1], drafts[rid], masks)
+                except Exception as error:
+                    raise RequestStepError([rid], error) from error
             offset += k + 1
         if plain:
             rows = [sampling_row(item.request, bitmask=_first(_masks(item.request, [], masks))) for item in plain]
-            out = self.sampler.sample(logits[plain_rows], rows)
+            try:
+                out = self.sampler.sample(logits[plain_rows], rows)
+            except Exception as error:
+                raise self._blame(plain, logits[plain_rows], rows, error) from error
             for j, item in enumerate(plain):
                 results[item.request.request_id] = StepResult(
                     [out.token_ids[j]],
                     [out.logprobs[j]] if out.logprobs is not None else None,
                     [out.top_logprobs[j]] if out.top_logprobs is not None else None)
         return results
+
+    def _blame(self, items: list[ScheduledRequest], logits: torch.Tensor, rows: list[SamplingRow],
+               error: Exception) -> RequestStepError:
+        """The rows whose sampling fails on their own (all of them, if none does alone)."""
+        culprits = []
+        for j, item in enumerate(items):
+            try:
+                self.sampler.sample(logits[j:j + 1], rows[j:j + 1])
+            except Exception:
+                culprits.append(item.request.request_id)
+        return RequestStepError(culprits or [item.request.request_id for item in items], error)
 
     def _verify(self, item: ScheduledRequest, logits: torch.Tensor, draft: Draft, masks: StepMasks) -> StepResult:
         r, tokens = item.request, draft.token_ids

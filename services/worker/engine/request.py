@@ -61,7 +61,7 @@ class Request:
     draft_lag: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None    # the stop string or token that finished it
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None   # seeded requests: on the runner's device (LLMEngine sets it)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -73,8 +73,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -71,6 +71,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.begin_step()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -121,13 +122,25 @@ class Scheduler:
         self.waiting.finished(request)
         self.kv.free(request)
 
-    def _preempt(self, request: Request) -> None:
+    def roll_back(self, out: SchedulerOutput, blamed: set[str]) -> None:
+        """The step `out` failed before any state moved: the blocks it registered in the prefix cache
+        hold no valid KV, so they are taken back; the requests it cannot blame go back to the head
+        of the queue to be recomputed as after a preemption (one admitted in the step may share a
+        block a blamed request never wrote). The caller aborts the blamed ones."""
+        self.kv.unregister_step()
+        for item in reversed(out.scheduled):   # newest first, so the queue keeps admission order
+            if item.request.request_id not in blamed:
+                self.running.remove(item.request)
+                self._preempt(item.request, counted=False)
+
+    def _preempt(self, request: Request, counted: bool = True) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_spec_tokens = 0
         request.draft_lag = 0          # a draft model recomputes from scratch too
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.requeue(request)
