@@ -193,3 +193,25 @@ def test_a_stored_response_is_no_chat_conversation_to_resume(gateway, client, ke
     conversation_id = str(uuid.UUID(hex=response.id.removeprefix("resp_")))
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "conversation_id": conversation_id}
     assert_error(post(gateway, key, body), 404, "conversation_not_found", "conversation_id")
+
+
+def test_input_items_list_the_context_with_pages(gateway, client):
+    first = client.responses.create(model="fake-model", input="My name is Ada.")
+    gateway.drain()
+    second = client.responses.create(model="fake-model", previous_response_id=first.id, input=[
+        {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_7", "output": "18C"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And now?"}]}])
+    gateway.drain()
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "message", "function_call", "function_call_output", "message"]
+    assert items.data[0].content[0].text == "My name is Ada." and items.data[1].role == "assistant"
+    assert (items.data[2].call_id, items.data[3].output) == ("call_7", "18C") and not items.has_more
+    newest = client.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in newest.data] == [items.data[4].id, items.data[3].id] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=10, after=newest.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in reversed(items.data[:3])] and not rest.has_more
+    every = [i.id for i in client.responses.input_items.list(second.id, limit=2)]   # the SDK follows the pages
+    assert every == [i.id for i in reversed(items.data)]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(second.id, limit=0)

@@ -433,6 +433,52 @@ async def get_response(request: web.Request) -> web.Response:
     return web.json_response(response)
 
 
+def input_items(m: worker_pb2.ChatMessage, seq: int) -> list[dict[str, Any]]:
+    """One stored context message as Responses input items (ids stable by position)."""
+    if m.role == "tool":
+        return [{"type": "function_call_output", "id": f"fco_{seq}", "call_id": m.tool_call_id, "output": m.content,
+                 "status": "completed"}]
+    items = []
+    if m.content or not m.tool_calls:
+        part = {"type": "output_text", "text": m.content, "annotations": []} if m.role == "assistant" else \
+            {"type": "input_text", "text": m.content}
+        items.append({"type": "message", "id": f"msg_{seq}", "role": m.role, "status": "completed", "content": [part]})
+    items += [{"type": "function_call", "id": f"fc_{seq}_{j}", "call_id": c.id, "name": c.name,
+               "arguments": c.arguments, "status": "completed"} for j, c in enumerate(m.tool_calls)]
+    return items
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}/input_items: the context the response was generated from
+    (previous responses' turns and its own input), order desc by default, limit and after."""
+    gw = request.app[GATEWAY]
+    principal = await gw.auth.principal(request)
+    rid = request.match_info["response_id"]
+    conversation = await _stored(gw, principal.organization.id, rid, "response_id")
+    items = [item for m in conversation.messages[:-1] for item in input_items(decode_message(m)[0], m.seq)]
+    query = request.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order must be asc or desc", "order", "invalid_value")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise invalid("limit must be an integer in [1, 100]", "limit", "invalid_value")
+    if order == "desc":
+        items.reverse()
+    if "after" in query:
+        ids = [i["id"] for i in items]
+        if query["after"] not in ids:
+            raise invalid(f"after: no item {query['after'][:64]!r} in this response's input", "after",
+                          "invalid_value")
+        items = items[ids.index(query["after"]) + 1:]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+
 async def delete_response(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     principal = await gw.auth.principal(request)
@@ -446,3 +492,4 @@ def register(app: web.Application) -> None:
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
