@@ -19,7 +19,7 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import grpc
 from aiohttp import web
@@ -149,7 +149,7 @@ class Pipeline:
         self.info, self.context = info, info.max_context_length
         return info
 
-    async def run(self, gen: Generation, wire_for: Any) -> web.StreamResponse:
+    async def run(self, gen: Generation, wire_for: Callable[[Completion], Wire]) -> web.StreamResponse:
         """`wire_for(completion)` builds the endpoint's Wire once the completion exists."""
         if self.info is None or self.info.name != gen.model:
             await self.model(gen.model, gen.max_tokens)
@@ -188,7 +188,7 @@ class Pipeline:
             span.set_attribute("llmserve.safety.input_flagged", flagged)
             log.info("request %s: input flagged by rule %s", self.request["request_id"], moderation.matched_rule)
 
-    async def _admitted(self, gen: Generation, wire_for: Any, span: trace.Span) -> web.StreamResponse:
+    async def _admitted(self, gen: Generation, wire_for: Callable[[Completion], Wire], span: trace.Span) -> web.StreamResponse:
         await self._history(gen)
         await self._input_safety(gen, span)
         prompt_estimate = len(gen.token_ids) if gen.token_ids is not None else \
@@ -222,7 +222,7 @@ class Pipeline:
             req.constraint.CopyFrom(gen.constraint)
         return req
 
-    async def _run(self, gen: Generation, wire_for: Any, prompt_estimate: int, ticket: Reservation,
+    async def _run(self, gen: Generation, wire_for: Callable[[Completion], Wire], prompt_estimate: int, ticket: Reservation,
                    span: trace.Span) -> web.StreamResponse:
         guards = [self.gw.safety.output_guard(self.org_id) for _ in range(gen.n)]
         completion = Completion(gen.model, gen.n, guards, gen.logprobs, prompt_estimate, gen.id_prefix, gen.id)

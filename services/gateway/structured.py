@@ -288,3 +288,10 @@ def parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
             raise invalid(f"logit_bias[{token}] must be a number in [-100, 100]", "logit_bias", "invalid_value")
         bias[token_id] = float(amount)
     return bias
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    """Once the model is known: every biased token is in its vocabulary."""
+    if vocab_size and bias and max(bias) >= vocab_size:
+        raise invalid(f"logit_bias token {max(bias)} is outside the vocabulary (0..{vocab_size - 1})",
+                      "logit_bias", "invalid_value")

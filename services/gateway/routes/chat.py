@@ -11,10 +11,10 @@ from services.gateway.auth import Principal
 from services.gateway.chat_request import ChatRequest, parse_chat_request
 from services.gateway.completion import Completion, Delta, dumps
 from services.gateway.conversation_resume import messages_to_store
-from services.gateway.errors import invalid
 from services.gateway.pipeline import Generation, Pipeline
 from services.gateway.routes import read_json
 from services.gateway.sse import DONE
+from services.gateway.structured import check_logit_bias
 from services.gateway.tool_calls import Parsed, ToolCallParser, parse_whole
 from services.gateway.turn_store import store_turn
 
@@ -91,12 +91,6 @@ class ConversationTurn:
                                    messages_to_store(self.req.messages, reply, self.req.model, partial), completion.id)
         if failure is not None:
             raise failure
-
-
-def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
-    if vocab_size and bias and max(bias) >= vocab_size:
-        raise invalid(f"logit_bias token {max(bias)} is outside the vocabulary (0..{vocab_size - 1})",
-                      "logit_bias", "invalid_value")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -18,9 +18,8 @@ from services.gateway.completion import Completion, Delta, dumps
 from services.gateway.errors import invalid
 from services.gateway.pipeline import Generation, Pipeline
 from services.gateway.routes import read_json
-from services.gateway.routes.chat import check_logit_bias
 from services.gateway.sse import DONE
-from services.gateway.structured import OutputFormat, parse_structured_outputs
+from services.gateway.structured import OutputFormat, check_logit_bias, parse_structured_outputs
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for this API
 FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "structured_outputs"}

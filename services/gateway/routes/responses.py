@@ -33,8 +33,7 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.pipeline import Generation, Pipeline
 from services.gateway.request_context import REQUEST_ID
 from services.gateway.routes import read_json
-from services.gateway.routes.chat import check_logit_bias
-from services.gateway.structured import OutputFormat, ToolUse, parse_response_format, parse_tools
+from services.gateway.structured import OutputFormat, ToolUse, check_logit_bias, parse_response_format, parse_tools
 from services.gateway.tool_calls import Parsed, ToolCallParser
 
 log = logging.getLogger(__name__)
