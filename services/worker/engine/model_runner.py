@@ -178,7 +178,7 @@ class ModelRunner:
                     raise RequestStepError([rid], error) from error
             offset += k + 1
         if plain:
-            rows = [sampling_row(item.request, bitmask=_first(_masks(item.request, [], masks))) for item in plain]
+            rows = [sampling_row(item.request, grammar_bias=_first(_masks(item.request, [], masks))) for item in plain]
             try:
                 out = self.sampler.sample(logits[plain_rows], rows)
             except Exception as error:
@@ -204,8 +204,8 @@ class ModelRunner:
     def _verify(self, item: ScheduledRequest, logits: torch.Tensor, draft: Draft, masks: StepMasks) -> StepResult:
         r, tokens = item.request, draft.token_ids
         # Position j of the k+1 rows follows the drafts before it: penalties and the grammar must see them.
-        bitmasks = _masks(r, tokens, masks)
-        rows = [sampling_row(r, tokens[:j], None if bitmasks is None else bitmasks[j])
+        biases = _masks(r, tokens, masks)
+        rows = [sampling_row(r, tokens[:j], None if biases is None else biases[j])
                 for j in range(len(tokens) + 1)]
         if r.params.greedy:
             accepted = verify_greedy(tokens, self.sampler.sample(logits, rows).token_ids)
@@ -230,15 +230,15 @@ def _masks(request, drafts: list[int], masks: StepMasks) -> torch.Tensor | None:
     return None if request.matcher is None else masks.get(request, drafts)
 
 
-def _first(bitmasks: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bitmasks is None else bitmasks[0]
+def _first(biases: torch.Tensor | None) -> torch.Tensor | None:
+    return None if biases is None else biases[0]
 
 
-def sampling_row(request, extra_output: list[int] = (), bitmask: torch.Tensor | None = None) -> SamplingRow:
+def sampling_row(request, extra_output: list[int] = (), grammar_bias: torch.Tensor | None = None) -> SamplingRow:
     """The request's sampling row, as if extra_output (drafts before this position) were generated.
     A grammar decides where constrained output ends: min_tokens does not hold its EOS back."""
     output = request.output_token_ids + list(extra_output) if extra_output else request.output_token_ids
     free_eos = request.params.ignore_eos or request.matcher is not None
     return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
                        output_token_ids=output, generator=request.generator,
-                       eos_token_ids=() if free_eos else request.eos_token_ids, token_bitmask=bitmask)
+                       eos_token_ids=() if free_eos else request.eos_token_ids, grammar_bias=grammar_bias)

@@ -17,7 +17,6 @@ import torch
 
 from services.worker.engine.penalties import apply_penalties, has_penalties, suppress_stop_tokens
 from services.worker.engine.sampling_params import SamplingParams
-from services.worker.engine.structured.bitmask import apply_bitmask
 
 
 @dataclass
@@ -28,7 +27,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]      # generated so far: penalties and min_tokens
     generator: torch.Generator | None    # per request when seeded, on the logits' device; else None
     eos_token_ids: Sequence[int] = ()    # suppressed with stop_token_ids while output < min_tokens
-    token_bitmask: torch.Tensor | None = None   # int32 [words]: the tokens a grammar allows here
+    grammar_bias: torch.Tensor | None = None    # float32 [V]: 0 where a grammar allows the token, -inf elsewhere
 
 
 @dataclass
@@ -85,9 +84,13 @@ class Sampler:
             adjusted[penalised] = subset
         suppress_stop_tokens(adjusted, rows)
         _add_logit_bias(adjusted, rows)
-        masked = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+        masked = [i for i, row in enumerate(rows) if row.grammar_bias is not None]
         if masked:
-            apply_bitmask(adjusted, masked, torch.stack([rows[i].token_bitmask for i in masked]))
+            bias = torch.stack([rows[i].grammar_bias for i in masked]).to(adjusted.device)
+            if len(masked) == len(rows):
+                adjusted.add_(bias)
+            else:
+                adjusted[masked] += bias
         return adjusted
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -12,7 +12,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from services.worker.engine.structured.bitmask import bitmask_words
+from services.worker.engine.structured.bitmask import bitmask_to_bias, bitmask_words
 
 
 class GrammarMatcher:
@@ -41,19 +41,19 @@ class GrammarMatcher:
         return self._matcher.validate_tokens(token_ids) if token_ids else 0
 
     def masks(self, drafts: list[int]) -> torch.Tensor:
-        """int32 bitmasks [len(drafts) + 1, words]: row j allows what may follow drafts[:j].
+        """Logit biases [len(drafts) + 1, vocab] (0 allowed, -inf not): row j is what may follow drafts[:j].
 
         Rows after the first draft the grammar refuses allow everything: verification rejects that
         draft at the latest, so they are never sampled from."""
         out = torch.full((len(drafts) + 1, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         self._walk(drafts, out, every_row=True)
-        return out
+        return bitmask_to_bias(out, self.vocab_size)
 
     def mask_after(self, drafts: list[int]) -> torch.Tensor:
-        """int32 bitmask [words] of what may follow drafts (all allowed if the grammar refuses them)."""
+        """Logit bias [vocab] of what may follow drafts (all allowed if the grammar refuses them)."""
         out = torch.full((1, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         self._walk(drafts, out, every_row=False)
-        return out[0]
+        return bitmask_to_bias(out, self.vocab_size)[0]
 
     def _walk(self, drafts: list[int], out: torch.Tensor, every_row: bool) -> None:
         """Fill out's rows while walking the drafts, then roll the walk back."""

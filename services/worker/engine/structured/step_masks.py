@@ -2,7 +2,7 @@
 
 What a constrained row may sample this step depends only on the tokens it has already accepted,
 all known when the step is scheduled, so the masks are started then and collected when the
-logits are sampled. Draft tokens known before the step (n-gram) get their masks in the same job;
+logits are sampled (unpacked into logit biases there too). Draft tokens known before the step (n-gram) get their masks in the same job;
 drafts a draft model makes inside the step are masked when they are verified, on the engine thread.
 While a job runs, only it touches its requests' matchers.
 """
@@ -32,7 +32,7 @@ class StepMasks:
         return cls(executor.submit(_compute, jobs)) if jobs else cls()
 
     def get(self, request: Request, drafts: list[int]) -> torch.Tensor:
-        """[len(drafts) + 1, words]: the masks after each prefix of drafts (see GrammarMatcher.masks)."""
+        """[len(drafts) + 1, vocab]: the grammar's logit biases after each prefix of drafts (GrammarMatcher.masks)."""
         if self._masks is None:
             self._masks = self._future.result()
         found = self._masks.get(request.request_id)
