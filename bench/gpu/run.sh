@@ -17,4 +17,10 @@ for script in correctness kernels fused moe sliding_window engine; do
     echo "== bench/gpu/$script.py $*" >&2
     "$PYTHON" -m "bench.gpu.$script" "$@" || status=1
 done
+# Tensor parallelism over every GPU of the machine, when it has several (the lent ones have one).
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if (( gpus > 1 )); then
+    echo "== bench/gpu/tensor_parallel.py --tensor-parallel $gpus $*" >&2
+    "$PYTHON" -m bench.gpu.tensor_parallel --tensor-parallel "$gpus" "$@" || status=1
+fi
 exit "$status"

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: two ranks over gloo (services/worker/parallel).
 
-Tiny random Llama (o_proj bias; one KV head, so it is replicated on both ranks) and Qwen3 (q/k
-norms, two KV heads split) checkpoints, built by transformers (tests/worker/families.py), give
+Tiny random Llama (o_proj bias; one KV head, so it is replicated on both ranks), Qwen3 (q/k
+norms, two KV heads split), Phi-3 (fused qkv/gate_up tensors in the checkpoint) and Qwen3-MoE
+(experts split, a dense layer beside) checkpoints, built by transformers (tests/worker/families.py), give
 at tensor_parallel_size 2 the greedy tokens of tensor_parallel_size 1 (and of transformers, up
 to its near-ties) under batching, chunked prefill, prefix caching and preemption, and through a
 real gRPC worker. A rank killed mid-stream ends the stream with an error and the worker exits.
@@ -10,6 +11,8 @@ Sizes that do not divide the heads or exceed the devices are refused at start.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import time
@@ -20,19 +23,25 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
 from llmserve.v1 import worker_pb2 as pb
-from llmserve.v1 import worker_pb2_grpc
 from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.engine.build import build_engine
 from services.worker.parallel.driver import start_tensor_parallel
-from tests.procs import worker
+from tests.procs import free_port, service, worker
+from tests.router.real_workers import start_workers
 from tests.worker.families import ENGINE_SETTINGS, NEW_TOKENS, assert_matches, build_family, prompts
 from tests.worker.test_engine import greedy, run
 
 CASES = {
     "llama": ("llama", dict(attention_bias=True, num_key_value_heads=1)),
     "qwen3": ("qwen3", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # Checkpoint tensors holding every segment (Phi-3's qkv_proj and gate_up_proj), and experts.
+    "phi3": ("phi3", dict()),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    mlp_only_layers=[1], head_dim=32)),
 }
+EVERY_SETTING = ["llama", "qwen3"]    # the others: batched only (CI time)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -59,7 +68,8 @@ def engine_tokens(folder: Path, tensor_parallel_size: int, **settings) -> tuple[
             built.parallel.stop()
 
 
-@pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
+@pytest.mark.parametrize("family, setting", [(case, setting) for case in CASES for setting in ENGINE_SETTINGS
+                                              if case in EVERY_SETTING or setting == "batched"], indirect=["family"])
 def test_two_ranks_give_the_tokens_of_one(family, setting):
     case, folder, references = family
     one, _ = engine_tokens(folder, 1, **ENGINE_SETTINGS[setting])
@@ -79,6 +89,7 @@ def _generate(stub, ids: list[int], max_tokens: int):
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)), timeout=120)
 
 
+@pytest.mark.parametrize("family", EVERY_SETTING, indirect=True)
 def test_a_tensor_parallel_worker_over_grpc(family, tmp_path):
     case, folder, references = family
     with worker(tmp_path, model__source=str(folder), model__name="tiny", engine__num_blocks="64",
@@ -97,10 +108,9 @@ def _rank_pids(worker_pid: int) -> list[int]:
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_a_rank_killed_mid_stream_ends_the_worker(family, tmp_path):
-    case, folder, _ = family
-    if case != "llama":
-        pytest.skip("one family is enough for the failure path")
+    _, folder, _ = family
     timeout_s = 5.0
     with worker(tmp_path, model__source=str(folder), model__name="tiny", engine__num_blocks="64",
                 engine__tensor_parallel_size="2", engine__tensor_parallel_timeout_s=str(timeout_s),
@@ -135,18 +145,61 @@ def test_a_rank_killed_mid_stream_ends_the_worker(family, tmp_path):
         assert "tensor parallel group broken" in w.log()
 
 
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_the_router_fails_over_from_a_broken_tensor_parallel_worker(family, tmp_path):
+    """A request waiting on a TP worker whose rank dies before its first token is retried by the
+    router on the other worker, and the broken one leaves the pool."""
+    _, folder, references = family
+    with contextlib.ExitStack() as stack:
+        doomed, spare = start_workers(stack, tmp_path, 2, model__source=str(folder), model__name="tiny",
+                                      engine__num_blocks="64", engine__tensor_parallel_size="2",
+                                      engine__tensor_parallel_timeout_s="5", server__grace_period_s="3")
+        port = free_port()
+        router = stack.enter_context(service("services.router", {
+            "LLMSERVE_ROUTER__SERVER__PORT": str(port), "LLMSERVE_ROUTER__SERVER__METRICS_PORT": str(free_port()),
+            "LLMSERVE_ROUTER__HEALTH__INTERVAL_S": "0.2",
+            "LLMSERVE_ROUTER__MODELS__tiny__ADDRESSES": json.dumps([doomed.address, spare.address]),
+        }, f"127.0.0.1:{port}", tmp_path))
+        channel = stack.enter_context(grpc.insecure_channel(router.address))
+        admin, stub = router_pb2_grpc.RouterStub(channel), worker_pb2_grpc.GenerationStub(channel)
+        (rank,) = _rank_pids(doomed.process.pid)
+        os.kill(rank, signal.SIGSTOP)      # the doomed worker's next step waits in a collective
+        admin.SetDraining(router_pb2.SetDrainingRequest(address=spare.address, draining=True))
+        stream = _generate(stub, prompts()["mid"], NEW_TOKENS)
+        deadline = time.monotonic() + 30
+        while _workers(admin)[doomed.address].in_flight < 1:
+            assert time.monotonic() < deadline, "the request never reached the doomed worker"
+            time.sleep(0.05)
+        admin.SetDraining(router_pb2.SetDrainingRequest(address=spare.address, draining=False))
+        os.kill(rank, signal.SIGKILL)
+        replies = list(stream)
+        assert replies[-1].worker == spare.address
+        assert_matches([t for r in replies for t in r.token_ids], references["mid"], "retried on the spare")
+        assert doomed.process.wait(timeout=30) != 0
+        deadline = time.monotonic() + 10
+        while _workers(admin)[doomed.address].healthy:
+            assert time.monotonic() < deadline, "the router still counts the broken worker healthy"
+            time.sleep(0.1)
+
+
+def _workers(admin) -> dict:
+    return {w.address: w for w in admin.ListWorkers(router_pb2.ListWorkersRequest(model="tiny")).workers}
+
+
 def _refusal(model_cfg: ModelSourceConfig, **engine) -> str:
     with pytest.raises(ValueError) as e:
         start_tensor_parallel(model_cfg, EngineConfig(**engine))
     return str(e.value)
 
 
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_a_size_that_does_not_divide_the_heads_is_refused(family):
     _, folder, _ = family
     message = _refusal(ModelSourceConfig(source=str(folder), device="cpu"), tensor_parallel_size=3)
     assert "tensor_parallel_size 3 does not divide the attention heads" in message and "(4)" in message
 
 
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_a_size_beyond_the_devices_is_refused(family):
     _, folder, _ = family
     message = _refusal(ModelSourceConfig(source=str(folder), device="cpu"), tensor_parallel_size=2, devices="cpu")

@@ -79,7 +79,13 @@ class TensorParallelWorkers:
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         if devices[0].startswith("cuda"):
             torch.cuda.set_device(torch.device(devices[0]))
-        self.tp, self._store = join_group(spec(0))
+        try:
+            self.tp, self._store = join_group(spec(0))
+        except BaseException:
+            self._stopping = True
+            for p in self.processes:
+                p.terminate()
+            raise
         self.channel = StepChannel(comm_device(self.backend, torch.device(devices[0])))
 
     def start(self, num_blocks: int) -> None:
