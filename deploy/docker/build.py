@@ -135,6 +135,14 @@ def engine() -> Iterator[Engine]:
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()
+        _unmount_under(DOCKER_RUN)
+
+
+def _unmount_under(folder: Path) -> None:
+    """What a stopped dockerd leaves mounted in its exec root (the host's netns handle)."""
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    for mount in sorted((m for m in mounts if Path(m).is_relative_to(folder)), reverse=True):
+        subprocess.run(["umount", mount], check=False)
 
 
 def _os_release() -> dict[str, str]:

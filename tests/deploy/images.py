@@ -9,41 +9,28 @@ finds a headless Service's pods. The worker is the CPU image with SmolLM2 from t
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import secrets
-import sys
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy.docker import build as docker_build
 from tests.deploy.charts import build_charts, render
 from tests.deploy.pods import Pod, pod
 
-BUILD_PY = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "build.py"
 MODEL = "smollm2-135m-instruct"
 PORTS = {"gateway": 47080, "router": 47050, "router_metrics": 47150, "worker": 47051, "worker_metrics": 47151,
          "conversations": 47060, "conversations_metrics": 47160}
 START_ORDER = ("conversations", "worker", "router", "gateway")   # stopped in reverse, as run.py does
-
-
-def load_build() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("llmserve_docker_build", BUILD_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-BUILD = load_build()
-IMAGES = {image.service: image for image in BUILD.IMAGES}
+IMAGES = {image.service: image for image in docker_build.IMAGES}
 
 
 def chart_values(admin_token: str, model_dir: Path) -> dict[str, dict]:
@@ -97,7 +84,6 @@ class Platform:
         return result.stdout + result.stderr
 
     def inspect(self, service: str) -> dict:
-        import json
         return json.loads(self.docker.docker("inspect", self.pods[service].name).stdout)[0]
 
 
