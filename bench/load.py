@@ -328,6 +328,8 @@ def render(d: dict) -> str:
              f"wait at most {t.get('queue_timeout_s')} s). Mixed chat: prompts of 20-400 tokens, answers of 16-160 "
              "(end-of-sequence banned, so each answer has its length), greedy, streamed. A shared 2-core VM: "
              "absolute figures move with what else runs; compare the ratios of one run.", ""]
+    if d.get("notes"):
+        lines += ["Caveats of this run:", "", *[f"- {note}" for note in d["notes"]], ""]
     burst = d.get("burst") or []
     hf, llama = d.get("transformers"), d.get("llama_cpp")
     if burst:
