@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -27,7 +28,9 @@ from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
 from llmserve.v1 import worker_pb2 as pb
 from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.engine.build import build_engine
+from services.worker.model.shapes import NAMED_SHAPES
 from services.worker.parallel.driver import start_tensor_parallel
+from services.worker.parallel.validate import check_shardable
 from tests.procs import free_port, service, worker
 from tests.router.real_workers import start_workers
 from tests.worker.families import ENGINE_SETTINGS, NEW_TOKENS, assert_matches, build_family, prompts
@@ -42,6 +45,21 @@ CASES = {
                                     mlp_only_layers=[1], head_dim=32)),
 }
 EVERY_SETTING = ["llama", "qwen3"]    # the others: batched only (CI time)
+# Chunked prefill and preemption in one engine (with batching and prefix-cache hits): CI runs it;
+# each of the families' settings alone runs under make test-soak.
+SETTINGS = {"mixed": dict(max_num_batched_tokens=8, num_blocks=7), **ENGINE_SETTINGS}
+
+
+def _setting_cases():
+    for case in CASES:
+        for setting in SETTINGS:
+            if case not in EVERY_SETTING:
+                if setting == "batched":
+                    yield case, setting
+            elif setting == "mixed":
+                yield case, setting
+            else:
+                yield pytest.param(case, setting, marks=pytest.mark.slow)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -68,18 +86,17 @@ def engine_tokens(folder: Path, tensor_parallel_size: int, **settings) -> tuple[
             built.parallel.stop()
 
 
-@pytest.mark.parametrize("family, setting", [(case, setting) for case in CASES for setting in ENGINE_SETTINGS
-                                              if case in EVERY_SETTING or setting == "batched"], indirect=["family"])
+@pytest.mark.parametrize("family, setting", list(_setting_cases()), indirect=["family"])
 def test_two_ranks_give_the_tokens_of_one(family, setting):
     case, folder, references = family
-    one, _ = engine_tokens(folder, 1, **ENGINE_SETTINGS[setting])
-    two, facts = engine_tokens(folder, 2, **ENGINE_SETTINGS[setting])
+    one, _ = engine_tokens(folder, 1, **SETTINGS[setting])
+    two, facts = engine_tokens(folder, 2, **SETTINGS[setting])
     for rid, ref in references.items():
         assert_matches(two[rid], ref, f"{case} {setting} TP 2 {rid}")
         assert two[f"{rid}-again"] == two[rid], f"{case} {setting} {rid}: a prefix-cache hit changed it"
     assert two == one, f"{case} {setting}: TP 2 differs from TP 1"
     assert facts["cached"] >= 32 and facts["leaked"] == 0, facts
-    if setting == "preemption":
+    if setting in ("preemption", "mixed"):
         assert facts["preemptions"] > 0
 
 
@@ -89,7 +106,7 @@ def _generate(stub, ids: list[int], max_tokens: int):
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)), timeout=120)
 
 
-@pytest.mark.parametrize("family", EVERY_SETTING, indirect=True)
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)], indirect=True)
 def test_a_tensor_parallel_worker_over_grpc(family, tmp_path):
     case, folder, references = family
     with worker(tmp_path, model__source=str(folder), model__name="tiny", engine__num_blocks="64",
@@ -127,7 +144,8 @@ def test_a_rank_killed_mid_stream_ends_the_worker(family, tmp_path):
         with pytest.raises(grpc.RpcError) as error:
             for _ in stream:
                 pass
-        assert time.monotonic() - killed < timeout_s + 2
+        elapsed = time.monotonic() - killed
+        assert elapsed < timeout_s, f"the stream ended {elapsed:.1f}s after the kill"
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
         assert "tp-rank-1" in error.value.details() or "collective" in error.value.details()
         deadline, status = time.monotonic() + 5, None
@@ -135,16 +153,17 @@ def test_a_rank_killed_mid_stream_ends_the_worker(family, tmp_path):
             try:
                 status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
             except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e   # shutting down
                 status = "gone"
             if status in (health_pb2.HealthCheckResponse.NOT_SERVING, "gone"):
                 break
             time.sleep(0.1)
         assert status in (health_pb2.HealthCheckResponse.NOT_SERVING, "gone"), status
-        assert w.process.wait(timeout=30) != 0
+        assert w.process.wait(timeout=30) != 0, w.log()[-3000:]
         assert "tensor parallel group broken" in w.log()
 
 
+@pytest.mark.slow   # four processes and a router: over a minute on two cores
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_the_router_fails_over_from_a_broken_tensor_parallel_worker(family, tmp_path):
     """A request waiting on a TP worker whose rank dies before its first token is retried by the
@@ -208,3 +227,23 @@ def test_a_size_beyond_the_devices_is_refused(family):
         cuda = _refusal(ModelSourceConfig(source=str(folder), device="cuda"), tensor_parallel_size=2)
         assert "exceeds the devices: this machine has" in cuda
     assert "positive integer" in _refusal(ModelSourceConfig(source=str(folder)), tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_options_a_tensor_parallel_worker_lacks_are_refused(family):
+    _, folder, _ = family
+    int8 = ModelSourceConfig(source=str(folder), device="cpu", quantization="int8")
+    assert "model.quantization 'int8' is not supported" in _refusal(int8, tensor_parallel_size=2)
+    plain = ModelSourceConfig(source=str(folder), device="cpu")
+    assert "draft_model is not supported" in _refusal(plain, tensor_parallel_size=2, speculative_method="draft_model")
+
+
+def test_shapes_the_ranks_cannot_split_are_refused():
+    tiny = NAMED_SHAPES["tiny"]
+    with pytest.raises(ValueError, match="and the 3 KV heads of tiny: one must divide the other"):
+        check_shardable(replace(tiny, num_heads=12, num_kv_heads=3), 2)
+    with pytest.raises(ValueError, match="does not divide the vocabulary of tiny \\(1001\\)"):
+        check_shardable(replace(tiny, vocab_size=1001), 2)
+    with pytest.raises(ValueError, match="does not divide the MLP intermediate size of tiny \\(129\\)"):
+        check_shardable(replace(tiny, intermediate_size=129), 2)
+    check_shardable(replace(tiny, num_heads=8, num_kv_heads=2), 4)   # 2 KV heads, each on two ranks

@@ -197,7 +197,7 @@ class CausalLM(nn.Module):
                 parts = tensor.split(list(split.full), dim=d)
                 tensor = torch.cat([p[_along(d, self.tp.piece(f, n))] for p, f, n in
                                     zip(parts, split.full, split.local)], dim=d)
-            elif length in split.full and shape[d] in split.local and self.tp.size > 1:
+            elif length in split.full and shape[d] in split.local:
                 tensor = tensor[_along(d, self.tp.piece(length, shape[d]))]
         if tensor.shape != shape:
             expected = list(shape)
