@@ -320,10 +320,12 @@ def test_a_tensor_parallel_worker_gets_its_gpus_and_shared_memory(charts):
     a pod given fewer GPUs than ranks is refused at render time."""
     gpus = {"nvidia.com/gpu": 8}
     values = {"config": {"engine": {"tensor_parallel_size": 8}}, "shm": {"sizeLimit": "16Gi"},
-              "resources": {"requests": {"cpu": "16", "memory": "256Gi", **gpus}, "limits": {"memory": "512Gi", **gpus}}}
+              "resources": {"requests": {"cpu": "16", "memory": "256Gi", **gpus},
+                            "limits": {"memory": "512Gi", **gpus}}}
     rendered = render(charts / "worker", values)
     container = only_container(rendered.one("Deployment", "llmserve-worker"))
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 == container["resources"]["requests"]["nvidia.com/gpu"]
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 8 == resources["requests"]["nvidia.com/gpu"]
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     worker = yaml.safe_load(rendered.one("ConfigMap", "llmserve-worker")["data"]["worker.yaml"])
     assert worker["engine"]["tensor_parallel_size"] == 8

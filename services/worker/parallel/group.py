@@ -4,14 +4,12 @@ vocabulary-split logits).
 
 SINGLE (size 1) is the default everywhere: its collectives are the identity, so a model built
 without a group is exactly the one-device model. Collectives carry the group's timeout (set at
-init_process_group), so a dead rank raises in the caller instead of hanging it.
+init_process_group, parallel/driver.py), so a dead rank raises in the caller instead of hanging it.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,15 +48,3 @@ SINGLE = TensorParallel()
 def local_kv_heads(num_kv_heads: int, size: int) -> int:
     """KV heads a rank holds: its share, or one (replicated) when there are fewer than ranks."""
     return max(1, num_kv_heads // size)
-
-
-def init_group(rank: int, size: int, store_file: str, backend: str, timeout_s: float) -> TensorParallel:
-    """Join the group through a file store (no port to pick). backend: gloo (CPU) or nccl (CUDA).
-
-    NCCL raises a timed-out collective in the caller only with blocking wait; gloo always does.
-    """
-    if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
-    return TensorParallel(rank, size)

@@ -24,7 +24,8 @@ def header(kind: int, *fields: int) -> torch.Tensor:
     return torch.tensor(values + [0] * (HEADER - len(values)), dtype=torch.long)
 
 
-def pack_forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_forward(ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     tables = meta.block_tables
     payload = torch.cat([ids.long(), positions.long(), meta.slot_mapping.long(), meta.query_start_loc.long(),
                          meta.seq_lens.long(), tables.long().flatten()])
