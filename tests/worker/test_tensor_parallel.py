@@ -2,11 +2,13 @@
 
 Tiny random Llama (o_proj bias; one KV head, so it is replicated on both ranks), Qwen3 (q/k
 norms, two KV heads split), Phi-3 (fused qkv/gate_up tensors in the checkpoint) and Qwen3-MoE
-(experts split, a dense layer beside) checkpoints, built by transformers (tests/worker/families.py), give
-at tensor_parallel_size 2 the greedy tokens of tensor_parallel_size 1 (and of transformers, up
-to its near-ties) under batching, chunked prefill, prefix caching and preemption, and through a
-real gRPC worker. A rank killed mid-stream ends the stream with an error and the worker exits.
-Sizes that do not divide the heads or exceed the devices are refused at start.
+(experts split, a dense layer beside) checkpoints, built by transformers
+(tests/worker/families.py), give at tensor_parallel_size 2 the greedy tokens of
+tensor_parallel_size 1 (and of transformers, up to its near-ties) under batching, chunked
+prefill, prefix caching and preemption, and through a real gRPC worker; Gemma 3 and Mixtral too
+under make test-soak. A rank killed mid-stream ends the stream with an error and the worker
+exits; the router retries elsewhere (soak). Sizes that do not divide the heads or exceed the
+devices, and options TP lacks, are refused at start.
 """
 
 from __future__ import annotations
@@ -43,7 +45,14 @@ CASES = {
     "phi3": ("phi3", dict()),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                     mlp_only_layers=[1], head_dim=32)),
+    # make test-soak only: sandwich norms, sliding and global layers, soft-capped logits; MoE with a window.
+    "gemma3_text": ("gemma3_text", dict(head_dim=16, sliding_window=10, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                        tie_word_embeddings=False)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=10)),
 }
+SOAK_ONLY = ["gemma3_text", "mixtral"]
 EVERY_SETTING = ["llama", "qwen3"]    # the others: batched only (CI time)
 # Chunked prefill and preemption in one engine (with batching and prefix-cache hits): CI runs it;
 # each of the families' settings alone runs under make test-soak.
@@ -53,7 +62,10 @@ SETTINGS = {"mixed": dict(max_num_batched_tokens=8, num_blocks=7), **ENGINE_SETT
 def _setting_cases():
     for case in CASES:
         for setting in SETTINGS:
-            if case not in EVERY_SETTING:
+            if case in SOAK_ONLY:
+                if setting == "batched":
+                    yield pytest.param(case, setting, marks=pytest.mark.slow)
+            elif case not in EVERY_SETTING:
                 if setting == "batched":
                     yield case, setting
             elif setting == "mixed":
