@@ -4,6 +4,7 @@ import pytest
 
 from services.worker.engine.block_pool import BlockPool, NoFreeBlocks
 from services.worker.engine.kv_cache_manager import KVCacheManager
+from services.worker.engine.model_runner import StepResult
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
@@ -20,14 +21,16 @@ def make_scheduler(num_blocks=32, max_seqs=8, budget=64, caching=True):
     return Scheduler(SchedulerConfig(max_seqs, budget), kv), kv
 
 
+def sampled_tokens(out):
+    """What a runner would return for the step `out`: token 100 + i as each sampling request's i-th."""
+    return {item.request.request_id: StepResult([100 + item.request.num_output_tokens])
+            for item in out.scheduled if item.samples}
+
+
 def run_step(sched):
-    """Pretend the model ran: advance computed tokens and append one token where sampled."""
+    """One step through the scheduler's own interface, the model's tokens made up."""
     out = sched.schedule()
-    for item in out.scheduled:
-        r = item.request
-        r.num_computed_tokens += item.num_new_tokens
-        if item.samples:
-            r.append_output(100 + r.num_output_tokens)
+    sched.update_from_output(out, sampled_tokens(out), now=0.0)
     return out
 
 

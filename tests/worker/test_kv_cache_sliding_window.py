@@ -12,7 +12,7 @@ from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.request import RequestStatus
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
-from tests.worker.test_kv_cache import BS, make_request, run_step
+from tests.worker.test_kv_cache import BS, make_request, run_step, sampled_tokens
 
 WINDOW = 10
 
@@ -47,7 +47,7 @@ def test_blocks_before_the_window_of_each_step_are_released_as_it_goes():
 def test_released_blocks_stay_findable_in_the_prefix_cache():
     sched, kv = make_scheduler(WINDOW, budget=64)
     prompt = list(range(1, 31))
-    a = make_request("a", prompt, max_tokens=4)
+    a = make_request("a", prompt, max_tokens=8)
     sched.add(a)
     run_step(sched)                                  # the whole prompt in one step: nothing dead yet
     first_blocks = kv.block_ids("a")[:2]
@@ -137,13 +137,7 @@ def test_attention_stays_exact_while_released_blocks_are_reused(backend_name):
                 scores = torch.einsum("hd,td->ht", query[row + j], keys[lo:hi, 0]) * 0.25
                 expected = torch.softmax(scores, -1) @ values[lo:hi, 0]
                 torch.testing.assert_close(out_rows[row + j], expected, atol=1e-4, rtol=1e-4)
-        for item in out.scheduled:
-            r = item.request
-            r.num_computed_tokens += item.num_new_tokens
-            if item.samples:
-                r.append_output(100 + r.num_output_tokens)
-                if r.num_output_tokens >= r.max_tokens:
-                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+        sched.update_from_output(out, sampled_tokens(out), now=0.0)
     assert any(len(o) == 2 for o in owners.values())       # some block served both requests
     assert requests[0].num_output_tokens == 24 and requests[0].num_preemptions == 0
 

@@ -12,7 +12,7 @@ the scheduler reserves for k tokens.
 Constrained decoding: each constrained request (each of its n choices) holds its own grammar
 matcher, from a grammar compiled once per constraint (structured/compiler.py). A step's masks
 are computed on a helper thread while its forward pass runs; the matcher advances only over the
-tokens the output processor accepts, and n-gram drafts are cut where the grammar refuses them.
+tokens the scheduler accepts (stop_checks.py), and n-gram drafts are cut where the grammar refuses them.
 """
 
 from __future__ import annotations
@@ -156,29 +156,16 @@ class LLMEngine:
             return self._recover(plan, failure)
         now = time.monotonic()
         self.load_stats.record(plan.scheduled, now - started)
-        outputs = []
-        for item in plan.scheduled:
-            r = item.request
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
-            r.num_computed_tokens += item.num_new_tokens
-            result = results.get(r.request_id)
-            if result is None:
-                continue                       # a prefill chunk: nothing sampled yet
-            r.num_computed_tokens -= result.num_rejected
-            r.draft_lag = result.draft_lag
-            if item.num_spec_tokens:
-                accepted = len(result.token_ids) - 1
-                r.spec_proposed += item.num_spec_tokens
-                r.spec_accepted += accepted
-                r.draft_length.record(item.num_spec_tokens, accepted)
-            r.spec_token_ids, r.num_spec_tokens = [], 0
-            if r.first_token_time is None:
-                r.first_token_time = now
-            output = self._states[r.request_id].process(result)
+        outputs, finished = [], []
+        for r, new_tokens in self.scheduler.update_from_output(plan, results, now):
+            output, stop = self._states[r.request_id].process(new_tokens, results[r.request_id])
+            if stop is not None:
+                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
             if r.finished:
-                self._finish(r)
+                finished.append(r)
             outputs.append(output)
+        for r in finished:   # after every output: siblings may finish in the same step
+            self._forget_if_done(r)
         self._propose()
         return outputs
 
@@ -205,8 +192,8 @@ class LLMEngine:
             outputs += self.abort_request(r.parent_id or r.request_id)
         return outputs
 
-    def _finish(self, r: Request) -> None:
-        self.scheduler.finish(r, r.status)
+    def _forget_if_done(self, r: Request) -> None:
+        """Drop a caller's request once all its choices have finished."""
         siblings = self._requests.get(r.parent_id, [])
         if all(s.finished for s in siblings):
             self._requests.pop(r.parent_id, None)
@@ -224,12 +211,13 @@ class LLMEngine:
             k = min(k, r.max_tokens - r.num_output_tokens - 1, self.limits.max_model_len - r.num_tokens - 1)
             if k > 0 and r.num_computed_tokens == r.num_tokens - 1:
                 k = r.draft_length.next_k(k)
+                drafts = []
                 if k and not self.drafts_in_step:
-                    r.spec_token_ids = self.proposer.propose(r.all_token_ids, k)
+                    drafts = self.proposer.propose(r.all_token_ids, k)
                     if r.matcher is not None:   # a draft the grammar refuses would only be rejected
-                        r.spec_token_ids = r.spec_token_ids[:r.matcher.valid_prefix(r.spec_token_ids)]
-                    k = len(r.spec_token_ids)   # the n-gram finds at most k
-                r.num_spec_tokens = k
+                        drafts = drafts[:r.matcher.valid_prefix(drafts)]
+                    k = len(drafts)             # the n-gram finds at most k
+                self.scheduler.set_draft(r, k, drafts)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -9,15 +9,25 @@ the queue is never skipped, so nobody starves. When a running request
 cannot get a block, the most recently admitted request is preempted: its blocks are freed
 and it goes back to the head of the queue, to be recomputed (its finished prefix blocks stay
 findable in the prefix cache, so recompute is often cheap).
+
+The scheduler is the one owner of request state after a step: update_from_output applies the
+runner's results (computed tokens, accepted drafts, the sampled tokens and the stops they
+make), and finish takes a request out (finished, stopped on a string, aborted) and frees its
+blocks. The engine and the output processor only read requests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.worker.engine.fair_queue import FairQueue
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.stop_checks import check_stop
+
+if TYPE_CHECKING:
+    from services.worker.engine.model_runner import StepResult
 
 
 @dataclass
@@ -112,9 +122,54 @@ class Scheduler:
         self.waiting.charge(out.scheduled)
         return out
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request from the queues and return its blocks (finish or abort)."""
+    def update_from_output(self, out: SchedulerOutput, results: dict[str, StepResult],
+                           now: float) -> list[tuple[Request, list[int]]]:
+        """Apply the step `out` ran: its tokens are computed, less the rejected drafts; each sampled
+        request takes its accepted tokens up to the first that stops it, and a finished one leaves.
+        -> (request, the tokens it took) per request that sampled."""
+        updates = []
+        for item in out.scheduled:
+            r = item.request
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            r.num_computed_tokens += item.num_new_tokens
+            result = results.get(r.request_id)
+            if result is None:
+                continue                       # a prefill chunk: nothing sampled yet
+            r.num_computed_tokens -= result.num_rejected
+            r.draft_lag = result.draft_lag
+            if item.num_spec_tokens:
+                accepted = len(result.token_ids) - 1
+                r.spec_proposed += item.num_spec_tokens
+                r.spec_accepted += accepted
+                r.draft_length.record(item.num_spec_tokens, accepted)
+            r.spec_token_ids, r.num_spec_tokens = [], 0
+            if r.first_token_time is None:
+                r.first_token_time = now
+            taken = []
+            for token in result.token_ids:
+                r.append_output(token)
+                taken.append(token)
+                status = check_stop(r, token)
+                if status is not None:
+                    self.finish(r, status)
+                    break
+            updates.append((r, taken))
+        return updates
+
+    def set_draft(self, request: Request, num_spec_tokens: int, token_ids: list[int]) -> None:
+        """The next step verifies num_spec_tokens drafts (token_ids: the n-gram's, known now)."""
+        request.num_spec_tokens, request.spec_token_ids = num_spec_tokens, token_ids
+
+    def finish(self, request: Request, status: RequestStatus, stop_reason: str | None = None) -> None:
+        """Remove a request from the queues and return its blocks (finish or abort). A request that
+        already finished on a token and also matched a stop string only takes the string's status."""
+        was_finished = request.finished
         request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        if was_finished:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -1,0 +1,42 @@
+"""Whether a request stops on the token it just accepted (the scheduler asks, token by token).
+
+EOS and stop tokens count only from min_tokens on; max_tokens always. A constrained request's
+matcher consumes every accepted token, and a complete grammar is a stop even at max_tokens.
+Stop strings are not here: they live in the text, which only the output processor sees.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.worker.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+def check_stop(request: Request, token: int) -> RequestStatus | None:
+    """After request.append_output(token): the status it finishes with, or None to go on."""
+    # Both run: the matcher must consume the token even when the token alone is a stop.
+    grammar, stop = _check_grammar(request, token), _check_token_stop(request, token)
+    return grammar or stop
+
+
+def _check_grammar(request: Request, token: int) -> RequestStatus | None:
+    matcher = request.matcher
+    if matcher is None:
+        return None
+    if not matcher.accept(token):   # the masks make this impossible: a bug, not the caller's
+        log.error("request %s: sampled token %d outside its grammar: %s", request.request_id, token, matcher.error)
+        return RequestStatus.FINISHED_ABORTED
+    return RequestStatus.FINISHED_STOPPED if matcher.is_finished else None
+
+
+def _check_token_stop(request: Request, token: int) -> RequestStatus | None:
+    p = request.params
+    if request.num_output_tokens >= p.min_tokens:
+        if (token in request.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None
