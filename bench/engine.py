@@ -13,8 +13,11 @@
 5. Constrained decoding: decode tokens/s of json_schema requests against unconstrained ones on
    the same prompts and lengths at batch 1 and 16 (target >= 0.9x), and the compile time of
    typical schemas (the grammar cache's miss cost).
+6. Host time per step at 64 and 256 running sequences of a tiny random model: scheduling,
+   preparing the runner's inputs and processing outputs (bench/host_step.py; target <= 1.5 ms
+   a step at 256).
 
-Usage: python -m bench.engine [--quick] [--skip-hf] [--skip-grpc] [--constrained-only]
+Usage: python -m bench.engine [--quick] [--skip-hf] [--skip-grpc] [--constrained-only] [--host-only]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.host_step import report_host_time
 from bench.timing import TokenTimeline, percentile
 from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.engine.build import build_engine
@@ -350,10 +354,14 @@ def main() -> None:
     parser.add_argument("--skip-grpc", action="store_true")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--constrained-only", action="store_true", help="only section 5")
+    parser.add_argument("--host-only", action="store_true", help="only section 6")
     args = parser.parse_args()
     n = 8 if args.quick else args.requests
     if args.constrained_only:
         report_constrained(args.quick)
+        return
+    if args.host_only:
+        report_host_time()
         return
 
     built = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=2048, max_num_batched_tokens=1024,
@@ -408,6 +416,7 @@ def main() -> None:
             print(f"llama-cpp     {peer['tps']:.1f} tok/s aggregate (the GGUF's own 4-bit weights), TTFT p95 "
                   f"{peer['ttft_p95']:.2f}s; ratio {ratios} (target >= 2x)")
     report_constrained(args.quick)
+    report_host_time((64,) if args.quick else (64, 256))
     sim = batching_simulation(REPO / "docs" / "perf" / "batching.png")
     print(f"simulation    static {sim['static_steps']} steps ({sim['static_util']*100:.0f}% slots useful) vs "
           f"continuous {sim['continuous_steps']} ({sim['continuous_util']*100:.0f}%); plot docs/perf/batching.png")

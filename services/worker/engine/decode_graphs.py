@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata, cache_slot, padded_block_tables
+from services.worker.attention.metadata import AttentionMetadata, block_table_array, slot_mapping
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,11 @@ class DecodeGraphs:
         valid until the next run."""
         n = len(token_ids)
         size = next(s for s in self.sizes if s >= n)
-        slots = [cache_slot(table, p, self.block_size) for table, p in zip(block_tables, positions)]
-        tables = torch.tensor(padded_block_tables(block_tables), dtype=torch.int32)
-        self.rows[:, :n].copy_(torch.tensor([list(token_ids), list(positions), slots], dtype=torch.long))
+        table = block_table_array(block_tables)
+        rows = np.array([list(token_ids), list(positions), [0] * n], np.int64)
+        rows[2] = slot_mapping(table, np.arange(n), rows[1], self.block_size)
+        self.rows[:, :n].copy_(torch.from_numpy(rows))
+        tables = torch.from_numpy(table)
         self.rows[:2, n:size] = 0
         self.rows[2, n:size] = PADDING_SLOT
         self.block_tables[:n, :tables.shape[1]].copy_(tables)

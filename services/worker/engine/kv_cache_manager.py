@@ -39,7 +39,9 @@ class KVCacheManager:
         self._null = pool.blocks[0]   # stands in for blocks released out of the window
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}    # the same tables as ids, kept in step (no rebuild)
         self._hashes: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}      # leading blocks already in the cache (or null)
         self.registered_in_step: list[KVBlock] = []   # since begin_step, their KV not yet written
 
     def begin_step(self) -> None:
@@ -52,7 +54,8 @@ class KVCacheManager:
         self.registered_in_step.clear()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table, live: read it, never change it (the next allocate does)."""
+        return self._block_ids.get(request_id, [])
 
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_usable_blocks
@@ -95,37 +98,44 @@ class KVCacheManager:
             self.stats.hits += len(cached) * self.block_size
         self.pool.take(cached)
         blocks = self._blocks.setdefault(request.request_id, [])
-        blocks.extend(cached)
-        blocks.extend(self.pool.allocate(n))
+        new = list(cached) + self.pool.allocate(n)
+        blocks.extend(new)
+        self._block_ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, min(end, num_tokens_to_cache if num_tokens_to_cache is not None else end))
         if self.sliding_window is not None:
-            self._release_out_of_window(blocks, end - num_new_tokens)
+            self._release_out_of_window(blocks, self._block_ids[request.request_id], end - num_new_tokens)
         return True
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
         self.pool.free(b for b in reversed(blocks) if b is not self._null)
 
-    def _release_out_of_window(self, blocks: list[KVBlock], first_new_position: int) -> None:
+    def _release_out_of_window(self, blocks: list[KVBlock], block_ids: list[int], first_new_position: int) -> None:
         """Frees the blocks wholly before the window of the step's first new token."""
         dead = first_visible_position(first_new_position, self.sliding_window) // self.block_size
         for i in range(min(dead, len(blocks)) - 1, -1, -1):
             if blocks[i] is self._null:
                 break    # released by an earlier step, like every block before it
             self.pool.free([blocks[i]])
-            blocks[i] = self._null
+            blocks[i], block_ids[i] = self._null, self._null.block_id
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         blocks = self._blocks[request.request_id]
         num_full = min(num_tokens // self.block_size, len(blocks))
+        done = self._num_registered.get(request.request_id, 0)
+        if num_full <= done:
+            return                     # a decode step inside a block: nothing new is full
         hashes = self._hash_blocks(request, num_full)
         tokens = request.all_token_ids
-        for i in range(num_full):
+        for i in range(done, num_full):
             if blocks[i].block_hash is None and blocks[i] is not self._null:
                 self.pool.register(blocks[i], hashes[i], self._block_tokens(tokens, i))
                 self.registered_in_step.append(blocks[i])
+        self._num_registered[request.request_id] = num_full
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first num_blocks full blocks (memoised per request)."""

@@ -10,13 +10,15 @@ under its grammar's masks (StepMasks): drafts outside the grammar are never acce
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata, cache_slot, padded_block_tables
+from services.worker.attention.metadata import AttentionMetadata, block_table_array, slot_mapping
 from services.worker.engine.decode_graphs import DecodeGraphs
 from services.worker.engine.sampler import Sampler, SamplingRow
 from services.worker.engine.scheduler import ScheduledRequest
@@ -65,31 +67,47 @@ def kv_cache_tensors(num_layers: int, num_kv_heads: int, head_dim: int, num_bloc
             for _ in range(num_layers)]
 
 
+@dataclass
+class ForwardInputs:
+    """Everything one forward pass reads besides the weights and the KV cache, on the device."""
+    input_ids: torch.Tensor     # int64 [num tokens]
+    positions: torch.Tensor     # int64 [num tokens]
+    meta: AttentionMetadata
+
+
+def prepare_inputs(spans: list[SeqSpan], block_size: int, device: torch.device) -> tuple[ForwardInputs, list[int]]:
+    """The spans as one flattened batch: positions and cache slots computed as tensors (no
+    per-token Python), each copied to the device once. -> the inputs and each span's end row."""
+    n = len(spans)
+    query_lens = [len(s.token_ids) for s in spans]
+    seq_lens = [s.start + q for s, q in zip(spans, query_lens)]
+    ends = list(itertools.accumulate(query_lens))
+    ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in spans), np.int64, ends[-1])
+    query_start_loc = np.array([0] + ends, np.int32)
+    starts = np.fromiter((s.start for s in spans), np.int64, n)
+    if ends[-1] == n:   # one token a span (decode): no expansion
+        rows, positions = np.arange(n), starts
+    else:
+        rows = np.repeat(np.arange(n), query_lens)
+        positions = starts[rows] + np.arange(ends[-1]) - query_start_loc[:-1].astype(np.int64)[rows]
+    table = block_table_array([s.block_ids for s in spans])
+
+    def on_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+    meta = AttentionMetadata(
+        query_start_loc=on_device(query_start_loc), seq_lens=on_device(np.array(seq_lens, np.int32)),
+        block_tables=on_device(table), slot_mapping=on_device(slot_mapping(table, rows, positions, block_size)),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=block_size,
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+    return ForwardInputs(on_device(ids), on_device(positions), meta), ends
+
+
 def forward_pass(model, kv_caches, spans: list[SeqSpan], block_size: int,
                  device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Run model over the spans as one flattened batch, writing their keys and values into their
     slots. -> hidden states [num tokens, hidden] and each span's end row (exclusive)."""
-    input_ids, positions, slots, query_lens, seq_lens, ends = [], [], [], [], [], []
-    for tokens, start, block_ids in spans:
-        span = range(start, start + len(tokens))
-        input_ids += tokens
-        positions += span
-        slots += [cache_slot(block_ids, p, block_size) for p in span]
-        query_lens.append(len(tokens))
-        seq_lens.append(span.stop)
-        ends.append(len(input_ids))
-    table = padded_block_tables([s.block_ids for s in spans])   # one tensor, not one per row
-    starts = [0] + ends
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=block_size,
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-    ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-    pos = torch.tensor(positions, dtype=torch.long, device=device)
-    return model(ids, pos, kv_caches, meta), ends
+    inputs, ends = prepare_inputs(spans, block_size, device)
+    return model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta), ends
 
 
 class ModelRunner:
@@ -146,7 +164,9 @@ class ModelRunner:
                 for row in range(end - item.num_spec_tokens - 1, end)]
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:   # rows ascend, so as many as hidden's are all of them
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         return self._sample([b for b in batch if b.samples], logits, drafts, masks)
 
     def _graph_step(self, batch: list[ScheduledRequest]) -> bool:
@@ -179,10 +199,11 @@ class ModelRunner:
             offset += k + 1
         if plain:
             rows = [sampling_row(item.request, grammar_bias=_first(_masks(item.request, [], masks))) for item in plain]
+            plain_logits = logits if len(plain) == logits.shape[0] else logits[plain_rows]   # no copy when all
             try:
-                out = self.sampler.sample(logits[plain_rows], rows)
+                out = self.sampler.sample(plain_logits, rows)
             except Exception as error:
-                raise self._blame(plain, logits[plain_rows], rows, error) from error
+                raise self._blame(plain, plain_logits, rows, error) from error
             for j, item in enumerate(plain):
                 results[item.request.request_id] = StepResult(
                     [out.token_ids[j]],
