@@ -38,7 +38,9 @@ BAD_BODIES = [
     ("model not a string", {"model": 7, "messages": msgs()}, 400, "invalid_type"),
     ("unknown model", {"model": "gpt-17", "messages": msgs()}, 404, "model_not_found"),
     ("unknown parameter", {**chat_body("x"), "frobnicate": 1}, 400, "unknown_parameter"),
-    ("tools", {**chat_body("x"), "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ("tool without function", {**chat_body("x"), "tools": [{"type": "function"}]}, 400, "missing_required_parameter"),
+    ("tool_choice unknown tool", {**chat_body("x"), "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     400, "invalid_value"),
     ("max_tokens 0", chat_body("x", 0), 400, "invalid_value"),
     ("max_tokens negative", chat_body("x", -5), 400, "invalid_value"),
     ("max_tokens huge", chat_body("x", 2**40), 400, "invalid_value"),
@@ -59,8 +61,9 @@ BAD_BODIES = [
     ("presence_penalty 3", {**chat_body("x"), "presence_penalty": 3}, 400, "invalid_value"),
     ("stream_options without stream", {**chat_body("x"), "stream_options": {"include_usage": True}}, 400,
      "invalid_value"),
-    ("response_format json", {**chat_body("x"), "response_format": {"type": "json_object"}}, 400,
-     "unsupported_value"),
+    ("response_format unknown type", {**chat_body("x"), "response_format": {"type": "xml"}}, 400, "invalid_value"),
+    ("json_schema not a schema", {**chat_body("x"), "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": 7}}}}, 400, "invalid_json_schema"),
 ]
 
 RAW_BODIES = [
