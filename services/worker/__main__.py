@@ -37,6 +37,7 @@ async def serve(cfg: WorkerConfig) -> None:
     engine = built.engine
     model = ServedModel(cfg.model.name, engine.limits.max_model_len, cfg.model.dtype, built.loaded.config.vocab_size,
                         tool_call_format=built.loaded.tokenizer.tool_call_format)
+    engine.grammars.warm_up()   # before serving: it holds the GIL for a moment
     async_engine = AsyncEngine(engine)
     async_engine.start()
     metrics = WorkerMetrics(model.name, lambda: async_engine.stats)

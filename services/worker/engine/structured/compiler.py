@@ -31,10 +31,16 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.capacity = capacity
         self._tokenizer = tokenizer
-        self._lltokenizer: llguidance.LLTokenizer | None = None   # built on first use (~0.4 s)
+        self._lltokenizer: llguidance.LLTokenizer | None = None   # warm_up() or first use
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0   # cache misses that built a grammar
+
+    def warm_up(self) -> None:
+        """Builds the vocabulary's grammar tokenizer now. It holds the GIL for ~0.2 s (seconds on a
+        busy machine): done lazily, the first constrained request stalled the worker's health checks."""
+        with self._lock:
+            self._grammar_tokenizer()
 
     def compile(self, constraint: Constraint) -> None:
         """Compile (or find) the constraint's grammar; ValueError naming the field if it is bad."""
@@ -50,11 +56,7 @@ class GrammarCompiler:
             if found is not None:
                 self._cache.move_to_end(constraint)
                 return found
-            if self._lltokenizer is None:
-                self._lltokenizer = llguidance.LLTokenizer(
-                    self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                    eos_token=self._tokenizer.eos_token_ids)
-            tokenizer = self._lltokenizer
+            tokenizer = self._grammar_tokenizer()
         grammar = grammar_text(constraint)
         prototype = llguidance.LLMatcher(tokenizer, grammar, log_level=0)   # drops the GIL while it builds
         if prototype.is_error():
@@ -65,6 +67,15 @@ class GrammarCompiler:
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
         return prototype
+
+
+    def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        """Under the lock."""
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.LLTokenizer(
+                self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                eos_token=self._tokenizer.eos_token_ids)
+        return self._lltokenizer
 
 
 def grammar_text(constraint: Constraint) -> str:
