@@ -17,6 +17,7 @@ from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from tests.worker.test_kv_cache import run_step
 from tests.procs import worker
 
 MODEL = "smollm2-135m-instruct"
@@ -33,17 +34,12 @@ def scheduler(max_seqs: int = 1, budget: int = 64) -> Scheduler:
 
 
 def serve(sched: Scheduler, steps: int) -> list[Request]:
-    """Pretends the model ran for `steps` steps; returns the requests in the order they finished."""
+    """Pretends the model ran for `steps` steps (through the scheduler's own update); returns the
+    requests in the order they finished."""
     done = []
     for _ in range(steps):
-        for item in sched.schedule().scheduled:
-            r = item.request
-            r.num_computed_tokens += item.num_new_tokens
-            if item.samples:
-                r.append_output(100)
-                if r.num_output_tokens >= r.max_tokens:
-                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
-                    done.append(r)
+        out = run_step(sched)
+        done += [item.request for item in out.scheduled if item.request.finished]
     return done
 
 
