@@ -12,6 +12,7 @@ allowed free whitespace would let a small model pad forever instead of closing t
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 
@@ -20,6 +21,8 @@ import llguidance
 from services.worker.engine.sampling_params import Constraint
 from services.worker.engine.structured.matcher import GrammarMatcher
 from services.worker.model.tokenizer import Tokenizer
+
+log = logging.getLogger("llmserve.worker")
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CONSTRAINT_CHARS = 256 * 1024
@@ -39,8 +42,11 @@ class GrammarCompiler:
     def warm_up(self) -> None:
         """Builds the vocabulary's grammar tokenizer now. It holds the GIL for ~0.2 s (seconds on a
         busy machine): done lazily, the first constrained request stalled the worker's health checks."""
-        with self._lock:
-            self._grammar_tokenizer()
+        try:
+            with self._lock:
+                self._grammar_tokenizer()
+        except ValueError as e:   # e.g. a test model whose logits are narrower than its tokenizer
+            log.warning("constrained decoding unavailable for this model: %s", e)
 
     def compile(self, constraint: Constraint) -> None:
         """Compile (or find) the constraint's grammar; ValueError naming the field if it is bad."""
