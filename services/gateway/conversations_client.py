@@ -50,6 +50,14 @@ class ConversationsClient:
         return await self._call(self._stub.GetConversation, pb.GetConversationRequest(
             organization_id=org_id, conversation_id=conversation_id), conversation_id)
 
+    async def get_chat(self, org_id: str, conversation_id: str) -> pb.Conversation:
+        """A chat conversation; a stored /v1/responses response (another kind) is not found here."""
+        conversation = await self.get(org_id, conversation_id)
+        if conversation.kind:
+            raise ApiError(404, f"no conversation `{conversation_id}`", param="conversation_id",
+                           code="conversation_not_found")
+        return conversation
+
     async def list(self, org_id: str, page_size: int, page_token: str) -> pb.ListConversationsResponse:
         return await self._call(self._stub.ListConversations, pb.ListConversationsRequest(
             organization_id=org_id, page_size=page_size, page_token=page_token))

@@ -170,10 +170,7 @@ class Pipeline:
     async def _history(self, gen: Generation) -> None:
         if not gen.history_conversation or gen.chat is None:
             return
-        stored = await self.gw.conversations.get(self.org_id, gen.history_conversation)
-        if stored.kind:   # a stored /v1/responses response is no chat conversation
-            raise ApiError(404, f"no conversation `{gen.history_conversation}`", param="conversation_id",
-                           code="conversation_not_found")
+        stored = await self.gw.conversations.get_chat(self.org_id, gen.history_conversation)
         reply_room = gen.max_tokens or self.gw.config.conversations.min_reply_tokens
         gen.chat = await fit_history(self.gw.upstream, gen.model, self.context, list(stored.messages), gen.chat,
                                      reply_room, self.metadata)

@@ -113,7 +113,14 @@ def test_responses_are_private_to_the_organization(gateway, client, key):
     chat = post(gateway, key, {"title": "a chat"}, path="/v1/conversations").json()["id"]
     listed = gateway.http.get("/v1/conversations", headers={"Authorization": f"Bearer {key}"}).json()
     ids = [c["id"] for c in listed["data"]]
-    assert chat in ids and str(uuid.UUID(hex=mine.id.removeprefix("resp_"))) not in ids
+    stored = str(uuid.UUID(hex=mine.id.removeprefix("resp_")))
+    assert chat in ids and stored not in ids
+    # ... and out of the conversation routes: not read, renamed or deleted as a chat.
+    auth = {"Authorization": f"Bearer {key}"}
+    assert gateway.http.get(f"/v1/conversations/{stored}", headers=auth).status_code == 404
+    assert gateway.http.post(f"/v1/conversations/{stored}", headers=auth, json={"title": "x"}).status_code == 404
+    assert gateway.http.delete(f"/v1/conversations/{stored}", headers=auth).status_code == 404
+    assert client.responses.retrieve(mine.id).output_text == "Hello there friend"
 
 
 def test_store_false_is_not_retrievable(gateway, client):

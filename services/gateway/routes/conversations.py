@@ -99,7 +99,7 @@ async def list_conversations(request: web.Request) -> web.Response:
 async def get_conversation(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     principal = await gw.auth.principal(request)
-    conversation = await gw.conversations.get(principal.organization.id, request.match_info["id"])
+    conversation = await gw.conversations.get_chat(principal.organization.id, request.match_info["id"])
     return web.json_response(conversation_object(conversation, with_messages=True))
 
 
@@ -115,6 +115,7 @@ async def update_conversation(request: web.Request) -> web.Response:
     metadata = _metadata(body)
     if title is None and model is None and metadata is None and keep is None:
         raise invalid("nothing to update: give title, model, metadata or keep_messages", None, "invalid_value")
+    await gw.conversations.get_chat(principal.organization.id, request.match_info["id"])
     conversation = await gw.conversations.update(principal.organization.id, request.match_info["id"], title, model,
                                                  metadata, keep)
     return web.json_response(conversation_object(conversation))
@@ -124,6 +125,7 @@ async def delete_conversation(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     principal = await gw.auth.principal(request)
     conversation_id = request.match_info["id"]
+    await gw.conversations.get_chat(principal.organization.id, conversation_id)
     await gw.conversations.delete(principal.organization.id, conversation_id)
     return web.json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
