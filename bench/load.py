@@ -15,7 +15,7 @@ then:
    chat at a time (its refusals and TTFT p95 against its unloaded TTFT); two organizations of equal
    weight flooding together, then with weights 2:1 (shares of the tokens streamed).
 
-    python -m bench.load [--url URL --key KEY] [--port-offset 2000] [--seconds 30]
+    python -m bench.load [--url URL --key KEY] [--port-base 47200] [--seconds 30]
                          [--llama-python PATH] [--parts burst,poisson,fairness,peers]
 
 Writes docs/perf/load.md and docs/perf/load.json. The machine is a shared 2-core VM: absolute
@@ -230,25 +230,69 @@ class Admin:
         return org["id"], key["key"]
 
 
-async def flood(session, url, key, org, prompts, streams: int, until: float, results: list[Result]) -> None:
-    """`streams` clients, each sending its next request when the last ends; a refused one waits what
-    Retry-After asked for first, as the SDKs do."""
-    async def loop(i: int):
+async def flood(session, url, prompts, floods: list[tuple[str, str, list[Result]]], streams: int,
+                until: float) -> None:
+    """`streams` clients per (key, organization, results), each sending its next request when its
+    last ends; a refused one waits what Retry-After asked for first, as the SDKs do. The
+    organizations' clients start interleaved, so neither's first wave reaches the gateway first."""
+    async def loop(key: str, org: str, results: list[Result], i: int):
         while time.monotonic() < until:
             prompt, max_tokens = prompts[i % len(prompts)]
             results.append(result := await stream_once(session, url, key, MODEL, prompt, max_tokens, org))
             if result.status == 429:
                 await asyncio.sleep(min(result.retry_after_s or 1.0, max(0.0, until - time.monotonic())))
             i += streams
-    await asyncio.gather(*(loop(i) for i in range(streams)))
+    await asyncio.gather(*(loop(key, org, results, i) for i in range(streams) for key, org, results in floods))
 
 
 def tokens_between(results: list[Result], start: float, end: float) -> int:
     return sum(sum(1 for t in r.chunk_times if start <= t <= end) for r in results)
 
 
+def token_trace(results: dict[str, list[Result]], start: float, end: float, step: float) -> list[dict]:
+    """Tokens each organization streamed in consecutive `step`-second buckets: shows how long the
+    first wave of admissions dominates."""
+    rows, t = [], start
+    while t < end:
+        rows.append({"t": round(t - start), **{org: tokens_between(res, t, min(end, t + step))
+                                               for org, res in results.items()}})
+        t += step
+    return rows
+
+
+async def gateway_gauges(session: aiohttp.ClientSession, url: str, until: float, samples: list[dict]) -> None:
+    """Every 2 s: the default model's admission limit, streams in flight and waiters."""
+    names = {"llmserve_gateway_overload_limit": "limit", "llmserve_gateway_in_flight_requests": "in_flight",
+             "llmserve_gateway_queued_requests": "queued"}
+    while time.monotonic() < until:
+        try:
+            async with session.get(url + "/metrics") as r:
+                text = await r.text()
+            sample = {}
+            for line in text.splitlines():
+                name, _, rest = line.partition("{")
+                if name in names and f'model="{MODEL}"' in rest:
+                    sample[names[name]] = float(rest.rsplit(" ", 1)[1])
+            samples.append(sample)
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(2)
+
+
+def gauge_summary(samples: list[dict]) -> dict:
+    out = {}
+    for key in ("limit", "in_flight", "queued"):
+        values = sorted(s[key] for s in samples if key in s)
+        if values:
+            out[key] = dict(min=values[0], median=values[len(values) // 2], max=values[-1])
+    return out
+
+
 async def fairness(url: str, prompts, seconds: float) -> dict:
+    """Each phase runs `seconds`; shares are counted after the first third, once the first wave of
+    admissions (which holds its slots for a whole answer, 10-60 s here) has ended."""
     short = [(p[:120], 16) for p, _ in prompts]
+    warmup = seconds / 3
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         admin = Admin(session, url)
@@ -259,7 +303,7 @@ async def fairness(url: str, prompts, seconds: float) -> dict:
         alone = [await stream_once(session, url, b_key, MODEL, p, m, "B") for p, m in short[:6]]
         flood_results: list[Result] = []
         until = time.monotonic() + seconds
-        flooding = asyncio.create_task(flood(session, url, a_key, "A", prompts, 24, until, flood_results))
+        flooding = asyncio.create_task(flood(session, url, prompts, [(a_key, "A", flood_results)], 24, until))
         await asyncio.sleep(min(5.0, seconds / 4))             # the flood fills the pool first
         polite: list[Result] = []
         while time.monotonic() < until:
@@ -277,31 +321,42 @@ async def fairness(url: str, prompts, seconds: float) -> dict:
         for label, weight_a in (("equal_weights", 1.0), ("weights_2_to_1", 2.0)):
             await admin.call("PATCH", f"/admin/v1/organizations/{a_id}", {"weight": weight_a})
             await asyncio.sleep(6)                             # auth.cache_ttl_s: keys see the new weight
-            a_res, b_res = [], []
+            a_res, b_res, gauges = [], [], []
             start = time.monotonic()
             until = start + seconds
-            await asyncio.gather(flood(session, url, a_key, "A", prompts, 24, until, a_res),
-                                 flood(session, url, b_key, "B", prompts, 24, until, b_res))
-            window = (start + min(5.0, seconds / 4), until)   # after both filled their share
+            await asyncio.gather(flood(session, url, prompts, [(a_key, "A", a_res), (b_key, "B", b_res)], 24, until),
+                                 gateway_gauges(session, url, until, gauges))
+            window = (start + warmup, until)
             a_tokens, b_tokens = tokens_between(a_res, *window), tokens_between(b_res, *window)
+            first = (start, start + warmup)
             report[label] = dict(weight_a=weight_a, a_tokens=a_tokens, b_tokens=b_tokens,
-                                 ratio=a_tokens / b_tokens if b_tokens else None,
-                                 refused=sum(r.status == 429 for r in a_res + b_res))
+                                 ratio=a_tokens / b_tokens if b_tokens else None, window_s=seconds - warmup,
+                                 first_ratio=tokens_between(a_res, *first) / max(1, tokens_between(b_res, *first)),
+                                 refused=sum(r.status == 429 for r in a_res + b_res),
+                                 requests=len(a_res) + len(b_res), gateway=gauge_summary(gauges),
+                                 trace=token_trace({"A": a_res, "B": b_res}, start, until, seconds / 12))
             print("fairness", label, json.dumps(report[label]), flush=True)
     return report
 
 
 # -- the platform and the report ------------------------------------------------------------------
 
-def start_make_run(tmp: Path, port_offset: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, str(REPO / "deploy" / "local" / "run.py"), "--port-offset",
-                             str(port_offset), "--var-dir", str(tmp / "var"), "--run-dir", str(tmp / "run")],
+def launcher():
+    """deploy/local/run.py as a module: the targets and ports `make run` gives the services."""
+    sys.path.insert(0, str(REPO / "deploy" / "local"))
+    import run
+    return run
+
+
+def start_make_run(tmp: Path, port_base: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, str(REPO / "deploy" / "local" / "run.py"), "--port-base",
+                             str(port_base), "--var-dir", str(tmp / "var"), "--run-dir", str(tmp / "run")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     for line in proc.stdout:
         print("make run:", line.rstrip(), flush=True)
         if "Ctrl-C stops everything" in line:
-            return proc, f"http://127.0.0.1:{8080 + port_offset}"
+            return proc, next(s.address for s in launcher().plan({}, port_base=port_base) if s.name == "gateway")
     raise RuntimeError(f"make run exited with {proc.wait()}")
 
 
@@ -416,9 +471,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="gateway base URL of a running `make run` (default: start one)")
     parser.add_argument("--key", default=os.environ.get("LLMSERVE_DEV_API_KEY", "sk-local-dev"))
-    parser.add_argument("--port-offset", type=int, default=2000, help="for the `make run` this starts")
+    parser.add_argument("--port-base", type=int, default=47200, help="the first of the ports of the `make run` "
+                        "this starts (deploy/local/run.py --port-base)")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=30, help="per open-loop rate and fairness phase")
+    parser.add_argument("--seconds", type=float, default=60, help="per open-loop rate")
+    parser.add_argument("--fairness-seconds", type=float, default=240,
+                        help="per fairness phase; shares are counted over its last two thirds")
     parser.add_argument("--parts", default="burst,poisson,fairness,peers")
     parser.add_argument("--capacity", type=float, default=0.5, help="requests/s, when the burst is not run")
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python[server] (default: this one)")
@@ -429,19 +487,17 @@ def main() -> None:
     from services.worker.model.gguf_loader import smollm2_gguf_path
     from services.worker.model.loader import smollm2_tokenizer
 
-    sys.path.insert(0, str(REPO / "deploy" / "local"))
-    import run as make_run   # the targets `make run` gives the gateway
-    overload = next(s.config.overload for s in make_run.plan({}) if isinstance(s.config, GatewayConfig))
+    overload = next(s.config.overload for s in launcher().plan({}) if isinstance(s.config, GatewayConfig))
     targets = dict(ttft_target_s=overload.ttft_target_s, stream_tokens_per_s=overload.stream_tokens_per_s,
                    queue_timeout_s=overload.queue_timeout_s)
     tokenizer = smollm2_tokenizer()
     prompts = mixed_prompts(tokenizer, args.requests)
     data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), targets=targets,
-                      requests=args.requests, seconds=args.seconds)
+                      requests=args.requests, seconds=args.seconds, fairness_seconds=args.fairness_seconds)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         needs_platform = parts & {"burst", "poisson", "fairness"}
-        proc, url = (None, args.url) if args.url or not needs_platform else start_make_run(Path(tmp), args.port_offset)
+        proc, url = (None, args.url) if args.url or not needs_platform else start_make_run(Path(tmp), args.port_base)
         try:
             if "burst" in parts:
                 data["burst"] = [asyncio.run(burst(url, args.key, m, prompts)) for m in (MODEL, INT8_MODEL)]
@@ -451,7 +507,7 @@ def main() -> None:
             if "poisson" in parts:
                 data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, capacity, args.seconds, targets))
             if "fairness" in parts:
-                data["fairness"] = asyncio.run(fairness(url, prompts, args.seconds))
+                data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds))
         finally:
             if proc is not None:
                 stop_make_run(proc)

@@ -17,7 +17,8 @@ Two variables switch from the embedded stores to shared servers:
 Every other LLMSERVE_<SERVICE>__SECTION__KEY variable still overrides that service's settings.
 The SQLite files live in ./var/ (--var-dir), the generated config files and each service's log in
 ./var/local/ (--run-dir). --port-offset N shifts every port by N, so a second platform (the
-end-to-end tests, say) runs beside a developer's own.
+end-to-end tests, say) runs beside a developer's own; --port-base N instead numbers them N, N+1, ...
+(DEFAULT_PORTS' order), so a whole platform fits a small range of ports.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ HOST = "127.0.0.1"
 # pools, is the int8 variant, fast on one thread (docs/perf/engine.md).
 WORKER_MODELS = (("worker-fp32", "smollm2-135m-instruct", "float32", "none", 0, 50051, 9151),
                  ("worker-int8", "smollm2-135m-instruct-int8", "float32", "int8", 1, 50052, 9152))
+# Every port the platform listens on, in the order --port-base numbers them.
+DEFAULT_PORTS = (50060, 9160, 50051, 9151, 50052, 9152, 50050, 9150, 8080)
 
 
 @dataclass
@@ -75,13 +78,17 @@ def grpc_service(name: str, module: str, config: Any, port: int, metrics_port: i
                    f"http://{HOST}:{metrics_port}/metrics", (port, metrics_port), note)
 
 
-def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "var") -> list[Service]:
+def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "var",
+         port_base: int | None = None) -> list[Service]:
     """The services in start order, each with its config; the two URL variables pick the stores,
-    which otherwise are SQLite files in var_dir; every port is shifted by port_offset."""
+    which otherwise are SQLite files in var_dir; every port is shifted by port_offset, or, with
+    port_base, numbered from it in DEFAULT_PORTS' order."""
     database_url = environ.get("LLMSERVE_DATABASE_URL", "")
     redis_url = environ.get("LLMSERVE_REDIS_URL", "")
 
     def shift(*ports: int) -> list[int]:
+        if port_base is not None:
+            return [port_base + DEFAULT_PORTS.index(p) for p in ports]
         return [p + port_offset for p in ports]
 
     var_dir = Path(var_dir).resolve()
@@ -230,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--var-dir", default=str(REPO / "var"), help="the SQLite databases")
     parser.add_argument("--run-dir", help="config files and logs (default: VAR_DIR/local)")
     parser.add_argument("--port-offset", type=int, default=0, help="added to every port")
+    parser.add_argument("--port-base", type=int, help=f"number the {len(DEFAULT_PORTS)} ports from this one instead")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
     parser.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
     args = parser.parse_args(argv)
 
-    services = plan(dict(os.environ), args.port_offset, Path(args.var_dir))
+    services = plan(dict(os.environ), args.port_offset, Path(args.var_dir), args.port_base)
     busy = [(s.name, p) for s in services for p in s.ports if not _port_free(p)]
     if busy:
         print("ports in use (is llmserve already running?): "

@@ -12,10 +12,16 @@ with nothing in flight is not kept waiting behind others' streams: it may take o
 past the limit (a quarter of it, at least one), so a light user stays interactive during a flood.
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
-(admission/fair_queue.py). A newcomer whose estimated wait (its place in that order x the mean
-time a stream holds its slot / the limit) exceeds queue_timeout_s, or who finds the queue full, is
-refused at once with that estimate as Retry-After; one still waiting after queue_timeout_s too.
-Nothing reaches the upstream before admission, so a refused request costs the pool nothing.
+(admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
+absorbing a burst, but only ttft_target_s once every slot has been taken for queue_timeout_s on
+end (a standing queue: sustained overload, where waiting longer only makes every first token late;
+Facebook's controlled-delay queues, "Fail at Scale", use the same two bounds). A newcomer whose
+estimated wait (its place in that order x the mean time a stream holds its slot / the limit)
+exceeds its bound, or who finds the queue full, is refused at once with that estimate as
+Retry-After. The estimate of everyone waiting is renewed whenever it can change (a slot freed, a
+new report, a newcomer placed ahead by the fair order): a waiter who can no longer be admitted
+within its bound is refused then, not when the bound runs out. Nothing reaches the upstream before
+admission, so a refused request costs the pool nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class _ModelGate:
         self.since_report: list[int] = []     # prompt tokens admitted here since the pool's last report
         self.org_in_flight: Counter[str] = Counter()
         self.hold_s = 0.0                     # mean time a stream holds its slot (0: none measured)
+        self.expected_hold_s = 0.0            # the same from the estimates at admission (0: none made)
+        self.contended_since: float | None = None   # since when every newcomer has had to wait
 
 
 class OverloadGuard:
@@ -140,11 +148,12 @@ class OverloadGuard:
     def estimated_wait_s(self, model: str, ahead: int) -> float | None:
         """When a request with `ahead` others before it in the queue would be admitted: its turn for
         a slot, and the prompts queued in the pool past the TTFT target (None until a stream of the
-        model has ended here)."""
+        model has ended or been estimated here)."""
         gate = self._gate(model)
-        if not gate.hold_s:
+        hold = gate.hold_s or gate.expected_hold_s
+        if not hold:
             return None
-        turn = (ahead + 1) * gate.hold_s / max(1, gate.limit)
+        turn = (ahead + 1) * hold / max(1, gate.limit)
         if not self._cfg.follow_pool_load:
             return turn
         return turn + max(0.0, gate.pool.queue_delay_s(sum(gate.since_report)) - self._cfg.ttft_target_s)
@@ -154,6 +163,14 @@ class OverloadGuard:
         gate.org_in_flight[org] += 1
         gate.queue.charge(org, cost, weight)
         gate.since_report.append(prompt_tokens)
+
+    def wait_bound_s(self, model: str) -> float:
+        """How long a request arriving now may wait: queue_timeout_s, or ttft_target_s once every
+        newcomer has had to wait for queue_timeout_s (a standing queue)."""
+        cfg, gate = self._cfg, self._gate(model)
+        if gate.contended_since is not None and time.monotonic() - gate.contended_since >= cfg.queue_timeout_s:
+            return min(cfg.queue_timeout_s, cfg.ttft_target_s)
+        return cfg.queue_timeout_s
 
     def _wake(self, model: str, gate: _ModelGate) -> None:
         while len(gate.queue):
@@ -165,6 +182,20 @@ class OverloadGuard:
                 continue
             self._grant(model, gate, waiter.org, waiter.cost, waiter.weight, waiter.prompt_tokens)
             waiter.future.set_result(None)
+        if not len(gate.queue) and gate.in_flight < gate.limit:
+            gate.contended_since = None
+        self._expire(model, gate)
+
+    def _expire(self, model: str, gate: _ModelGate) -> None:
+        """Refuses, now, each waiter whose renewed estimate puts its admission past its deadline."""
+        now, ahead = time.monotonic(), 0
+        for waiter in gate.queue.ordered():
+            estimate = self.estimated_wait_s(model, ahead)
+            if waiter.future.done() or estimate is None or now + estimate <= waiter.deadline:
+                ahead += 1
+                continue
+            gate.queue.discard(waiter)
+            waiter.future.set_exception(self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate))
 
     def _refusal(self, model: str, org: str, why: str, retry_s: float | None) -> Overloaded:
         self._metrics.overload_refusals.labels(model=model).inc()
@@ -185,9 +216,13 @@ class OverloadGuard:
         gate.queue.join(org)
         try:
             if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org):
+                if gate.in_flight < gate.limit:
+                    gate.contended_since = None     # a free slot: no standing queue
                 self._grant(model, gate, org, cost, weight, prompt_tokens)
                 self.metrics.decisions.labels(model=model, organization=org, decision="admitted").inc()
             else:
+                if gate.contended_since is None:
+                    gate.contended_since = time.monotonic()
                 await self._queue(model, gate, Waiter(org, weight, priority, cost, prompt_tokens=prompt_tokens))
         except BaseException:
             gate.queue.leave(org)
@@ -196,6 +231,9 @@ class OverloadGuard:
         running = max(gate.pool.state.running, gate.in_flight - 1)   # the report also sees other replicas'
         ticket.estimate = gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:-1]))
         if ticket.estimate is not None:
+            hold = ticket.estimate.ttft_s + (max_tokens or cfg.default_output_tokens) / ticket.estimate.tokens_per_s
+            gate.expected_hold_s = hold if not gate.expected_hold_s else \
+                gate.expected_hold_s + HOLD_ALPHA * (hold - gate.expected_hold_s)
             self.metrics.ttft_estimate.labels(model=model).observe(ticket.estimate.ttft_s)
             self.metrics.stream_speed_estimate.labels(model=model).set(ticket.estimate.tokens_per_s)
         in_flight = self._metrics.in_flight.labels(model=model)
@@ -215,22 +253,26 @@ class OverloadGuard:
         cfg = self._cfg
         if len(gate.queue) >= cfg.max_queued_per_model:
             raise self._refusal(model, waiter.org, "queue full", self.estimated_wait_s(model, len(gate.queue)))
+        bound = self.wait_bound_s(model)
+        started = time.monotonic()
+        waiter.deadline = started + bound
         gate.queue.push(waiter)
         estimate = self.estimated_wait_s(model, gate.queue.position(waiter))
-        if estimate is not None and estimate > cfg.queue_timeout_s:
+        if estimate is not None and estimate > bound:
             gate.queue.discard(waiter)
             raise self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate)
+        self._expire(model, gate)          # the fair order may have put it ahead of others
         self.metrics.decisions.labels(model=model, organization=waiter.org, decision="queued").inc()
         queued = self._metrics.queued.labels(model=model)
         queued.inc()
-        started = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), cfg.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(waiter.future), bound)
         except BaseException as e:
-            if waiter.future.done() and not waiter.future.cancelled():
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self._release_granted(model, gate, waiter.org)   # granted just as we gave up: hand it on
-            else:
-                waiter.future.cancel()
+            elif not future.done():
+                future.cancel()
             gate.queue.discard(waiter)
             if isinstance(e, TimeoutError):
                 raise self._refusal(model, waiter.org, "queue timeout",

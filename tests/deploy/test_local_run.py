@@ -98,3 +98,12 @@ def test_port_offset_and_var_dir_move_the_whole_platform(launcher, tmp_path):
     assert gateway.database.url == f"sqlite:///{tmp_path.resolve()}/gateway.db"
     assert moved["conversations"].config.store.url == f"sqlite:///{tmp_path.resolve()}/conversations.db"
     assert "http://127.0.0.1:9080/v1/chat/completions" in launcher.summary(list(moved.values()))
+
+
+def test_port_base_numbers_every_port_in_a_small_range(launcher):
+    services = launcher.plan({}, port_base=47200)
+    ports = sorted(p for s in services for p in s.ports)
+    assert ports == list(range(47200, 47200 + len(launcher.DEFAULT_PORTS)))
+    by_name = {s.name: s for s in services}
+    assert by_name["gateway"].address == "http://127.0.0.1:47208"
+    assert by_name["gateway"].config.upstream.address == by_name["router"].address

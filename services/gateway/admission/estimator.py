@@ -10,16 +10,24 @@ machine, so their mean line serves the pool. From it:
 - a new request's time to first token: the prompt tokens queued ahead of it (reported by the
   workers, plus what this gateway admitted since their report) over the pool's prefill rate, plus
   its own prefill and one step.
+
+The capacity is the median over the last CAPACITY_REPORTS reports' lines, not the last one: a single
+fit skewed by a prefill-heavy step or a neighbour's burst of CPU moved the limit from 50 streams to
+3 and back within seconds (bench-load's burst), so the gateway admitted in waves and starved the
+worker between them.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
 from llmserve.v1 import worker_pb2
 
 KNEE_SHARE = 0.8
+CAPACITY_REPORTS = 9    # the capacity is the median over this many of the last reports' lines
 PRIOR_PER_SEQ = 0.1     # a report without a fitted line: each further stream adds this share of a batch-1 step
 
 
@@ -89,17 +97,22 @@ class PoolEstimator:
     def __init__(self) -> None:
         self.state = PoolState()
         self.line: StepLine | None = None
+        self._lines: deque[StepLine] = deque(maxlen=CAPACITY_REPORTS)
 
     def update(self, reports: Sequence[worker_pb2.LoadReport]) -> None:
         self.state = PoolState.of(reports)
-        self.line = StepLine.of(reports) or self.line   # a pool gone quiet keeps its line
+        line = StepLine.of(reports)
+        if line is not None:
+            self.line = line
+            self._lines.append(line)   # a pool gone quiet keeps its lines
 
     def capacity(self, tokens_per_s: float) -> int | None:
-        """Streams the whole pool runs at the speed target; None before the workers measured."""
+        """Streams the whole pool runs at the speed target (the median of the recent lines'); None
+        before the workers measured."""
         s = self.state
-        if self.line is None or not s.workers:
+        if not self._lines or not s.workers:
             return None
-        cap = self.line.streams_at(tokens_per_s) * s.workers
+        cap = int(statistics.median(line.streams_at(tokens_per_s) for line in self._lines)) * s.workers
         return min(cap, s.max_num_seqs) if s.max_num_seqs else cap
 
     def queue_delay_s(self, extra_prompt_tokens: int = 0) -> float:

@@ -28,6 +28,7 @@ class Waiter:
     prompt_tokens: int = 0
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     arrival: int = 0
+    deadline: float = 0.0          # time.monotonic() past which it is refused rather than admitted
 
 
 def token_cost(prompt_tokens: int, answer_tokens: int) -> float:
@@ -93,23 +94,25 @@ class FairQueue:
             entry.queue.remove(waiter)
             self._size -= 1
 
-    def position(self, waiter: Waiter) -> int:
-        """How many waiters are admitted before it, each charging its organization as it goes."""
+    def ordered(self) -> list[Waiter]:
+        """The waiters in the order they would be admitted, each charging its organization as it goes."""
         counters = {name: o.counter for name, o in self._orgs.items()}
         heads = {name: 0 for name, o in self._orgs.items() if o.queue}
-        ahead = 0
+        order: list[Waiter] = []
         while heads:
             name = min(heads, key=lambda n: (self._orgs[n].queue[heads[n]].priority, counters[n],
                                              self._orgs[n].queue[heads[n]].arrival))
             head = self._orgs[name].queue[heads[name]]
-            if head is waiter:
-                return ahead
+            order.append(head)
             counters[name] += head.cost / head.weight
-            ahead += 1
             heads[name] += 1
             if heads[name] == len(self._orgs[name].queue):
                 del heads[name]
-        return ahead
+        return order
+
+    def position(self, waiter: Waiter) -> int:
+        """How many waiters are admitted before it."""
+        return self.ordered().index(waiter)
 
     def counter(self, org: str) -> float | None:
         entry = self._orgs.get(org)

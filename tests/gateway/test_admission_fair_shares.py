@@ -1,0 +1,128 @@
+"""The gateway's fair queue as the scheduler of a pool's slots, end to end through OverloadGuard:
+two organizations flood a pool of few slots with unequal numbers of clients and answers of 16-160
+tokens; each admitted stream holds its slot for as many ticks of a virtual clock as its answer has
+tokens. The tokens each organization streams over the second half of the run are its share.
+First come first served would give the organization with more clients more tokens (3:1 here); the
+virtual token counters must give the weights' ratio instead. Also: a waiter whose renewed
+estimate moved past its bound is refused then (not when the bound ran out), and a standing queue
+shortens the bound to the first-token target."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from llmserve.v1 import worker_pb2
+from services.gateway.config import OverloadConfig
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.overload import OverloadGuard, Overloaded
+
+SLOTS = 4
+TICKS = 1200
+
+
+def guard(**cfg) -> OverloadGuard:
+    return OverloadGuard(OverloadConfig(**{"follow_pool_load": False, "max_in_flight_per_model": SLOTS,
+                                           "min_in_flight_per_model": 1, "max_queued_per_model": 256,
+                                           "queue_timeout_s": 600.0, **cfg}), GatewayMetrics())
+
+
+async def shares(weights: dict[str, float], clients: dict[str, int]) -> dict[str, int]:
+    g = guard()
+    rng = random.Random(7)
+    lengths = [rng.randint(16, 160) for _ in range(64)]
+    streamed = {org: 0 for org in weights}
+    tick = 0
+    clock = asyncio.Condition()
+
+    async def client(org: str, i: int) -> None:
+        nonlocal tick
+        while tick < TICKS:
+            answer = lengths[i % len(lengths)]
+            async with g.admit("m", org=org, weight=weights[org], prompt_tokens=50, max_tokens=answer):
+                for _ in range(answer):
+                    async with clock:
+                        seen = tick
+                        await clock.wait_for(lambda: tick > seen or tick >= TICKS)
+                    if tick >= TICKS:
+                        return
+                    if tick >= TICKS // 2:
+                        streamed[org] += 1
+            i += clients[org]
+
+    tasks = [asyncio.create_task(client(org, i)) for org in weights for i in range(clients[org])]
+    for _ in range(TICKS):
+        for _ in range(20):            # let every admitted stream reach its next wait, and waiters in
+            await asyncio.sleep(0)
+        async with clock:
+            tick += 1
+            clock.notify_all()
+    async with clock:
+        clock.notify_all()
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    return streamed
+
+
+async def test_equal_weights_share_the_slots_equally_whatever_their_clients():
+    s = await shares({"A": 1.0, "B": 1.0}, {"A": 24, "B": 8})
+    assert s["A"] + s["B"] >= SLOTS * TICKS // 2 * 0.9, s     # the slots stayed busy
+    assert s["A"] / s["B"] == pytest.approx(1.0, rel=0.1), s
+
+
+async def test_weights_two_to_one_give_two_to_one_even_to_the_smaller_flood():
+    s = await shares({"A": 2.0, "B": 1.0}, {"A": 8, "B": 24})
+    assert s["A"] / s["B"] == pytest.approx(2.0, rel=0.1), s
+
+
+def report(running: int, base: float, per_seq: float = 0.002) -> worker_pb2.LoadReport:
+    step = base + per_seq * running
+    return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=1 / step, step_time_s=step,
+                                 prefill_tokens_per_s=1000.0, max_num_seqs=64, decode_step_base_s=base,
+                                 decode_step_per_seq_s=per_seq)
+
+
+async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with_retry_after():
+    g = OverloadGuard(OverloadConfig(max_in_flight_per_model=64, max_queued_per_model=64, queue_timeout_s=60.0,
+                                     stream_tokens_per_s=20.0, ttft_target_s=1.0), GatewayMetrics())
+    g.set_pool({"m": [report(1, base=0.010)]})          # 20 streams at 20 tokens/s
+    g._gate("m").hold_s = 200.0                          # streams hold their slot 200 s
+    async with contextlib_stack(g, g.limit("m")):
+        waiter = asyncio.create_task(g.admit("m").__aenter__())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()                         # 200 s / 20 slots: 10 s, within 60 s
+        for _ in range(9):                               # the pool slows: 2 streams at 20 tokens/s
+            g.set_pool({"m": [report(1, base=0.040, per_seq=0.005)]})
+        assert g.limit("m") == 2
+        with pytest.raises(Overloaded) as refused:       # 200 s / 2 slots = 100 s: past the bound,
+            await asyncio.wait_for(waiter, 5)            # so refused now, long before the 60 s ran out
+    retry_ms = int(refused.value.headers["retry-after-ms"])
+    assert "estimated wait" in refused.value.message and retry_ms == pytest.approx(100_000, rel=0.01)
+    assert refused.value.headers["Retry-After"] == "100"
+
+
+async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():
+    g = guard(queue_timeout_s=0.2, ttft_target_s=0.05)
+    assert g.wait_bound_s("m") == 0.2
+    async with contextlib_stack(g, SLOTS):
+        waiter = asyncio.create_task(g.admit("m").__aenter__())      # every slot taken: it waits
+        await asyncio.sleep(0.01)
+        assert g.wait_bound_s("m") == 0.2                            # a burst so far
+        with pytest.raises(Overloaded, match="queue timeout"):
+            await waiter
+        assert g.wait_bound_s("m") == 0.05                           # contended for 0.2 s on end
+    async with g.admit("m"):                                         # a free slot again
+        assert g.wait_bound_s("m") == 0.2
+
+
+def contextlib_stack(g: OverloadGuard, n: int):
+    import contextlib
+
+    class Held(contextlib.AsyncExitStack):
+        async def __aenter__(self):
+            await super().__aenter__()
+            for _ in range(n):
+                await self.enter_async_context(g.admit("m"))
+            return self
+    return Held()
