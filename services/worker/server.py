@@ -12,7 +12,7 @@ import grpc
 
 from llmserve.v1 import worker_pb2 as pb
 from llmserve.v1 import worker_pb2_grpc
-from services.worker.engine.async_engine import AsyncEngine, EngineDead
+from services.worker.engine.core_protocol import EngineDead
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.output_processor import RequestOutput
 from services.worker.engine.sampling_params import Constraint, SamplingParams
@@ -116,8 +116,9 @@ def chat_message(m: pb.ChatMessage) -> dict:
 
 
 class GenerationServicer(worker_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model: ServedModel, worker_name: str,
+    def __init__(self, engine, tokenizer: Tokenizer, model: ServedModel, worker_name: str,
                  metrics: WorkerMetrics | None = None) -> None:
+        # The engine client: AsyncEngine (in process) or EngineCoreClient (core in its own process).
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
@@ -150,7 +151,7 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
             params = params_from_proto(request)
             if params.constraint is not None:   # compiled off the event loop; the engine finds it cached
                 await asyncio.get_running_loop().run_in_executor(
-                    self._tokenizer_pool, self.engine.engine.grammars.compile, params.constraint)
+                    self._tokenizer_pool, self.engine.compile_grammar, params.constraint)
             share = FairShare.of(request.tenant, request.tenant_weight, request.priority)
             stream = self.engine.generate(ids, params, request.request_id, request.cache_salt, share)
             first = await anext(stream)
@@ -224,7 +225,7 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_context_length=self.model.max_context_length)
 
     async def GetLoad(self, request, context):
-        s, limits = self.engine.stats, self.engine.engine.limits
+        s, limits = self.engine.stats, self.engine.limits
         return pb.LoadReport(model=self.model.name, running=s.running, waiting=s.waiting,
                              kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
                              prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,

@@ -4,6 +4,10 @@ The engine thread owns the LLMEngine: callers never touch it. They send commands
 abort) through a thread-safe queue and receive outputs on a per-request asyncio queue, so a
 forward pass never blocks the event loop and a cancelled caller aborts its request at the
 next step boundary.
+
+The servicer's engine client in process (engine.engine_process false); core_client.py is the
+same interface over an engine core in its own process: generate, stats, limits,
+compile_grammar, fail_streams.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from services.worker.engine.core_protocol import EngineDead, EngineLimits
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.llm_engine import EngineStats, LLMEngine
 from services.worker.engine.output_processor import RequestOutput
-from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.sampling_params import Constraint, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +41,6 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-
-
-class EngineDead(RuntimeError):
-    pass
 
 
 class AsyncEngine:
@@ -69,6 +70,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after each step (safe to read from any thread)."""
         return self._stats
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    def compile_grammar(self, constraint: Constraint) -> None:
+        """Compile (cached) to validate; any thread. The engine finds it when the request is added."""
+        self.engine.grammars.compile(constraint)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
                        cache_salt: str = "", share: FairShare = FairShare()) -> AsyncIterator[RequestOutput]:

@@ -15,12 +15,15 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import llguidance
 
 from services.worker.engine.sampling_params import Constraint
-from services.worker.engine.structured.matcher import GrammarMatcher
 from services.worker.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:   # matcher.py pulls in torch; a worker's front end only compiles, to validate
+    from services.worker.engine.structured.matcher import GrammarMatcher
 
 log = logging.getLogger("llmserve.worker")
 
@@ -54,6 +57,7 @@ class GrammarCompiler:
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher in the grammar's start state."""
+        from services.worker.engine.structured.matcher import GrammarMatcher
         return GrammarMatcher(self._prototype(constraint).deep_copy(), self.vocab_size)
 
     def _prototype(self, constraint: Constraint) -> llguidance.LLMatcher:
