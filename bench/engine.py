@@ -161,7 +161,8 @@ async def grpc_streams(address: str, model: str, n: int, max_tokens: int) -> dic
 
 
 def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int],
-                   prompts: list[tuple[str, int]] | None = None, python: str | None = None) -> dict | None:
+                   prompts: list[tuple[str, int]] | None = None, python: str | None = None,
+                   port: int | None = None) -> dict | None:
     """llama-cpp-python's OpenAI server on the same GGUF, if installed (an optional peer; `python`:
     an interpreter that has it, by default this one): the same chat prompts as grpc_streams (or
     `prompts`, (text, max tokens) pairs), all sent at once, greedy, end-of-sequence tokens banned as
@@ -178,7 +179,7 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int],
     import openai
 
     from tests.procs import free_port
-    port = free_port()
+    port = port or free_port()
     # By default a new request interrupts the running one; queue them instead, so every stream completes.
     proc = subprocess.Popen([python or sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
                              "--n_ctx", "4096", "--interrupt_requests", "False"],

@@ -47,6 +47,7 @@ OUT = REPO / "docs" / "perf"
 MODEL, INT8_MODEL = "smollm2-135m-instruct", "smollm2-135m-instruct-int8"
 ADMIN_TOKEN = os.environ.get("LLMSERVE_ADMIN_TOKEN", "admin-local-dev")
 EOS_BAN = {"2": -100}   # SmolLM2's <|im_end|>: answers run to their max_tokens, as the peers' do
+LLAMA_PORT = 10         # the llama-cpp-python server listens on --port-base + this
 
 
 # -- the workload --------------------------------------------------------------------------------
@@ -431,9 +432,19 @@ def render(d: dict) -> str:
                   f"against {_f(f1['b_unloaded_ttft_p95'])} s unloaded = {_f(f1['b_ttft_ratio'])}x."]
         for label, want in (("equal_weights", 1.0), ("weights_2_to_1", 2.0)):
             r = fair.get(label)
-            if r:
-                lines.append(f"- {label.replace('_', ' ')}: tokens streamed A {r['a_tokens']}, B {r['b_tokens']}: "
-                             f"A/B = {_f(r['ratio'])} (wanted {want:g}), {r['refused']} refused.")
+            if not r:
+                continue
+            window = f" over the last {r['window_s']:.0f} s" if r.get("window_s") else ""
+            lines.append(f"- {label.replace('_', ' ')}: tokens streamed{window} A {r['a_tokens']}, B {r['b_tokens']}: "
+                         f"A/B = {_f(r['ratio'])} (wanted {want:g}); {r['refused']} of {r.get('requests', '?')} "
+                         f"requests refused.")
+            if "first_ratio" in r:
+                gw = r.get("gateway", {}).get("limit")
+                limit = f"; the gateway's limit {gw['min']:g}-{gw['max']:g} streams (median {gw['median']:g})" if gw else ""
+                lines.append(f"  - the first third (the first wave holding its slots): A/B = {_f(r['first_ratio'])}{limit}.")
+            if r.get("trace"):
+                lines.append("  - tokens per " + f"{r['trace'][1]['t'] - r['trace'][0]['t'] if len(r['trace']) > 1 else 0} s, "
+                             "A/B: " + ", ".join(f"{row['A']}/{row['B']}" for row in r["trace"]))
         lines.append("")
     lines += ["## How admission decides", "",
               "- Each worker fits its step time, step = base + per_seq x sequences + per prompt token, over its "
@@ -441,13 +452,17 @@ def render(d: dict) -> str:
               "prompt tokens queued in GetLoad; the router passes the reports through ListWorkers.",
               "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
               "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
-              "it, 80% of the peak throughput's worth) and the queued prompts would not push a first token past "
-              "the TTFT target; the limit is split between gateway replicas through the Redis heartbeats.",
+              "it, 80% of the peak throughput's worth; the median over the last 9 reports, so one skewed fit does "
+              "not move the limit) and the queued prompts would not push a first token past the TTFT target; the "
+              "limit is split between gateway replicas through the Redis heartbeats.",
               "- Beyond that a request waits in a fair queue: priority class first, then organizations by virtual "
-              "token counters over their weights. A newcomer whose estimated wait (its place in that order x the "
-              "mean slot hold / the limit) exceeds the queue timeout is refused at once with that estimate as "
-              "Retry-After; one still waiting at the timeout too. The worker's own waiting queue keeps the same "
-              "weighted fair order by tokens served.",
+              "token counters over their weights. It may wait queue_timeout_s while the pool absorbs a burst, only "
+              "the TTFT target once every slot has been taken for queue_timeout_s on end (a standing queue). A "
+              "newcomer whose estimated wait (its place in that order x the mean slot hold / the limit) exceeds "
+              "its bound is refused at once with that estimate as Retry-After; every waiter's estimate is renewed "
+              "when a slot frees, a report arrives or a newcomer is placed ahead, and one that can no longer make "
+              "its bound is refused then. The worker's own waiting queue keeps the same weighted fair order by "
+              "tokens served.",
               "- Metrics: llmserve_gateway_admission_decisions{model, organization, decision}, the queue wait "
               "estimated and measured, the TTFT estimate, llmserve_gateway_overload_limit.", ""]
     return "\n".join(lines)
@@ -517,7 +532,8 @@ def main() -> None:
         peers: dict = {"peers_started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         try:
             peers["llama_cpp"] = llama_cpp_peer(str(smollm2_gguf_path()), 0, 0, tokenizer.eos_token_ids,
-                                                prompts=prompts, python=args.llama_python)
+                                                prompts=prompts, python=args.llama_python,
+                                                port=args.port_base + LLAMA_PORT)
         except RuntimeError as e:
             peers["llama_cpp"] = {"error": str(e)}
         print("llama-cpp", json.dumps(peers["llama_cpp"]), flush=True)
