@@ -51,6 +51,18 @@ def test_the_step_line_gives_the_streams_at_a_speed_or_the_knee_when_unreachable
     assert old.step_s(4) == pytest.approx(0.013) and old.step_s(8) > 0.013
 
 
+def test_one_skewed_report_does_not_move_the_capacity_a_lasting_change_does():
+    pool = PoolEstimator()
+    for _ in range(8):
+        pool.update([report(8)])                              # 20 streams a worker at 20 tokens/s
+    assert pool.capacity(20.0) == 20
+    pool.update([report(8, base=0.040, per_seq=0.005)])       # one fit says 2
+    assert pool.capacity(20.0) == 20
+    for _ in range(5):
+        pool.update([report(8, base=0.040, per_seq=0.005)])
+    assert pool.capacity(20.0) == 2
+
+
 @pytest.fixture(scope="module")
 def real_worker(tmp_path_factory):
     with worker(tmp_path_factory.mktemp("admission")) as w, grpc.insecure_channel(w.address) as channel:
