@@ -1,4 +1,11 @@
-"""python -m services.worker [--config worker.yaml]: one engine, one model, one gRPC server."""
+"""python -m services.worker [--config worker.yaml]: one engine, one model, one gRPC server.
+
+By default the engine core runs in a child process (engine/core_process.py) and this process is
+its front end: gRPC, tokenizing, detokenizing, stop strings. If the core dies, the streams end
+with UNAVAILABLE, health turns NOT_SERVING and the worker exits non-zero after a short drain, for
+its supervisor (Kubernetes) to restart it. engine.engine_process false keeps the engine on a
+thread of this process.
+"""
 
 from __future__ import annotations
 
@@ -23,16 +30,38 @@ from llmserve.config import load_config
 from llmserve.metrics_http import MetricsServer
 from llmserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig
-from services.worker.engine.async_engine import AsyncEngine, EngineDead
-from services.worker.engine.build import build_engine
+from services.worker.engine.core_protocol import EngineDead
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import GenerationServicer, ServedModel
 
 log = logging.getLogger("llmserve.worker")
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.max_send_message_length", 64 * 2**20)]
+ENGINE_DEAD_DRAIN_S = 3.0   # NOT_SERVING this long after the engine died, so routers see it, then exit
 
 
-async def serve(cfg: WorkerConfig) -> None:
+class StartedEngine:
+    """The servicer's engine client, what the front end serves with, and how to stop it."""
+
+    def __init__(self, client, tokenizer, model: ServedModel, stop, parallel=None) -> None:
+        self.client, self.tokenizer, self.model, self.stop, self.parallel = client, tokenizer, model, stop, parallel
+
+
+async def start_engine(cfg: WorkerConfig, failed) -> StartedEngine:
+    """failed(reason), from any thread, when the engine cannot go on (it ended the streams)."""
+    if cfg.engine.engine_process:
+        from services.worker.engine.core_client import EngineCoreClient
+        client = EngineCoreClient(cfg, on_dead=failed)
+        try:
+            await client.start()
+        except RuntimeError as e:
+            await client.stop()
+            raise SystemExit(f"worker exits: {e}") from None
+        model = ServedModel(cfg.model.name, client.limits.max_model_len, cfg.model.dtype, client.vocab_size,
+                            tool_call_format=client.tokenizer.tool_call_format)
+        return StartedEngine(client, client.tokenizer, model, client.stop)
+    # In process: model code and weights load here (the front end alone need not import them).
+    from services.worker.engine.async_engine import AsyncEngine
+    from services.worker.engine.build import build_engine
     built = build_engine(cfg.model, cfg.engine)
     engine = built.engine
     model = ServedModel(cfg.model.name, engine.limits.max_model_len, cfg.model.dtype, built.loaded.config.vocab_size,
@@ -40,13 +69,40 @@ async def serve(cfg: WorkerConfig) -> None:
     engine.grammars.warm_up()   # before serving: it holds the GIL for a moment
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    metrics = WorkerMetrics(model.name, lambda: async_engine.stats)
+    if built.parallel is not None:   # a rank died: the engine cannot step, so the worker goes
+        loop = asyncio.get_running_loop()
+
+        def rank_failed(reason: str) -> None:
+            error = EngineDead(f"tensor parallel worker failed: {reason}")
+            loop.call_soon_threadsafe(async_engine.fail_streams, error)
+            failed(str(error))
+        built.parallel.on_failure(rank_failed)
+
+    async def stop() -> None:
+        async_engine.stop()
+        if built.parallel is not None:
+            built.parallel.stop()
+    return StartedEngine(async_engine, built.loaded.tokenizer, model, stop, built.parallel)
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    failure: list[str] = []   # why the engine cannot go on, once it cannot
+
+    def engine_failed(reason: str) -> None:
+        failure.append(reason)
+        loop.call_soon_threadsafe(stop.set)
+
+    started = await start_engine(cfg, engine_failed)
+    engine, model = started.client, started.model
+    metrics = WorkerMetrics(model.name, lambda: engine.stats)
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     address = f"{cfg.server.host}:{cfg.server.port}"
     port = server.add_insecure_port(address)
     name = cfg.server.name or f"{cfg.server.host}:{port}"
-    servicer = GenerationServicer(async_engine, built.loaded.tokenizer, model, name, metrics)
+    servicer = GenerationServicer(engine, started.tokenizer, model, name, metrics)
     worker_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -64,27 +120,24 @@ async def serve(cfg: WorkerConfig) -> None:
     if cfg.server.register_with:
         await _register(cfg, port, model.name)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if built.parallel is not None:   # a rank died: the engine cannot step, so the worker goes
-        def rank_failed(reason: str) -> None:
-            async_engine.fail_streams(EngineDead(f"tensor parallel worker failed: {reason}"))
-            loop.call_soon_threadsafe(stop.set)
-        built.parallel.on_failure(rank_failed)
     await stop.wait()
-    # Drain: report NOT_SERVING so routers stop sending, let running requests finish.
-    log.info("draining for up to %.1fs", cfg.server.grace_period_s)
+    # Drain: report NOT_SERVING so routers stop sending, let running requests finish. A dead
+    # engine has ended its streams already: stay NOT_SERVING a moment for the routers, then go.
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(cfg.server.grace_period_s)
-    async_engine.stop()
+    if failure:
+        log.error("the engine failed (%s): NOT_SERVING for %.1fs, then exiting", failure[0], ENGINE_DEAD_DRAIN_S)
+        await asyncio.sleep(ENGINE_DEAD_DRAIN_S)
+        await server.stop(0)
+    else:
+        log.info("draining for up to %.1fs", cfg.server.grace_period_s)
+        await server.stop(cfg.server.grace_period_s)
+    await started.stop()
     metrics_server.close()
-    if built.parallel is not None:
-        built.parallel.stop()
-        if built.parallel.failure is not None:
-            raise SystemExit(f"worker {name} exits: {built.parallel.failure}")
+    if failure:
+        raise SystemExit(f"worker {name} exits: {failure[0]}")
 
 
 async def _register(cfg: WorkerConfig, port: int, model: str) -> None:

@@ -59,6 +59,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     devices: str = ""
     tensor_parallel_timeout_s: float = 30.0   # a collective not done by then fails the worker
+    # The engine core (scheduler, KV cache, model, tensor-parallel ranks) in a process of its own,
+    # beside the gRPC front end (streams, tokenizing, detokenizing, stop strings): neither holds
+    # the other's GIL, and a crashed core is reported, never a hang (engine/core_client.py).
+    # false: the engine on a thread of the front end's process (engine/async_engine.py).
+    engine_process: bool = True
 
 
 @dataclass

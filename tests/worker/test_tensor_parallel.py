@@ -131,10 +131,14 @@ def test_a_tensor_parallel_worker_over_grpc(family, tmp_path):
 
 
 def _rank_pids(worker_pid: int) -> list[int]:
-    """The worker's spawned rank processes (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
-    return [int(pid) for pid in children
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    """The worker's spawned rank processes (not multiprocessing's resource tracker), children of
+    its engine core process (or of the worker, with the engine in process)."""
+    ranks, parents = [], [worker_pid]
+    while parents:
+        parent = parents.pop()
+        for pid in map(int, Path(f"/proc/{parent}/task/{parent}/children").read_text().split()):
+            (ranks if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() else parents).append(pid)
+    return ranks
 
 
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
