@@ -191,7 +191,9 @@ def open_loop_row(rate: float, factor: float, results: list[Result], seconds: fl
                 speed_p5=percentile([r.tokens_per_s for r in ok if r.tokens_per_s], 5) if ok else None,
                 speed_p50=percentile([r.tokens_per_s for r in ok if r.tokens_per_s], 50) if ok else None,
                 goodput=sum(r.tokens for r in good) / seconds,
+                refusal_p50_ms=1000 * percentile([r.latency_s for r in refused], 50) if refused else None,
                 refusal_p95_ms=1000 * percentile([r.latency_s for r in refused], 95) if refused else None,
+                refused_within_100ms=sum(r.latency_s < 0.1 for r in refused),
                 refusals_with_retry_after=sum(r.retry_after for r in refused))
 
 
@@ -411,11 +413,13 @@ def render(d: dict) -> str:
                   f"Capacity {_f(loop['capacity_rps'], 3)} requests/s; unloaded TTFT p95 {_f(loop['unloaded_ttft_p95'])} s, "
                   f"per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
                   "| load | req/s | offered | ok | 429 | errors | TTFT p95 (s) | TTFT p95 / unloaded | speed p5 | "
-                  "goodput (tok/s) | 429 p95 (ms) | 429 with Retry-After |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "goodput (tok/s) | 429 p50 / p95 (ms) | 429 within 100 ms | 429 with Retry-After |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in loop["rows"]:
             lines.append(f"| {r['factor']:g}x | {_f(r['rate'], 3)} | {r['offered']} | {r['ok']} | {r['refused']} | "
                          f"{r['errors']} | {_f(r['ttft_p95'])} | {_f(r['ttft_p95_over_unloaded'])} | "
-                         f"{_f(r['speed_p5'], 1)} | {_f(r['goodput'], 1)} | {_f(r['refusal_p95_ms'], 0)} | "
+                         f"{_f(r['speed_p5'], 1)} | {_f(r['goodput'], 1)} | {_f(r.get('refusal_p50_ms'), 0)} / "
+                         f"{_f(r['refusal_p95_ms'], 0)} | {r.get('refused_within_100ms', '-')} | "
                          f"{r['refusals_with_retry_after']} |")
         best = max((r["goodput"] for r in loop["rows"]), default=0)
         for r in loop["rows"]:

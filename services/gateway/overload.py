@@ -13,9 +13,10 @@ past the limit (a quarter of it, at least one), so a light user stays interactiv
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
-absorbing a burst, but only ttft_target_s once every slot has been taken for queue_timeout_s on
-end (a standing queue: sustained overload, where waiting longer only makes every first token late;
-Facebook's controlled-delay queues, "Fail at Scale", use the same two bounds). A newcomer whose
+absorbing a burst, but only ttft_target_s once every newcomer has had to wait for queue_timeout_s
+on end, until nobody has been refused for as long (a standing queue: sustained overload, where
+waiting longer only makes every first token late; Facebook's controlled-delay queues, "Fail at
+Scale", use the same two bounds). A newcomer whose
 estimated wait (its place in that order x the mean time a stream holds its slot / the limit)
 exceeds its bound, or who finds the queue full, is refused at once with that estimate as
 Retry-After. The estimate of everyone waiting is renewed whenever it can change (a slot freed, a
@@ -79,6 +80,8 @@ class _ModelGate:
         self.hold_s = 0.0                     # mean time a stream holds its slot (0: none measured)
         self.expected_hold_s = 0.0            # the same from the estimates at admission (0: none made)
         self.contended_since: float | None = None   # since when every newcomer has had to wait
+        self.standing = False                 # a standing queue: the short wait bound applies
+        self.refused_at = float("-inf")       # the last refusal
 
 
 class OverloadGuard:
@@ -165,12 +168,16 @@ class OverloadGuard:
         gate.since_report.append(prompt_tokens)
 
     def wait_bound_s(self, model: str) -> float:
-        """How long a request arriving now may wait: queue_timeout_s, or ttft_target_s once every
-        newcomer has had to wait for queue_timeout_s (a standing queue)."""
-        cfg, gate = self._cfg, self._gate(model)
-        if gate.contended_since is not None and time.monotonic() - gate.contended_since >= cfg.queue_timeout_s:
-            return min(cfg.queue_timeout_s, cfg.ttft_target_s)
-        return cfg.queue_timeout_s
+        """How long a request arriving now may wait: queue_timeout_s, or ttft_target_s in a standing
+        queue. One stands once every newcomer has had to wait for queue_timeout_s on end, and until
+        nobody has been refused for queue_timeout_s (under the short bound the queue empties between
+        arrivals, so its emptiness does not say the overload is over)."""
+        cfg, gate, now = self._cfg, self._gate(model), time.monotonic()
+        if gate.contended_since is not None and now - gate.contended_since >= cfg.queue_timeout_s:
+            gate.standing = True
+        elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
+            gate.standing = False
+        return min(cfg.queue_timeout_s, cfg.ttft_target_s) if gate.standing else cfg.queue_timeout_s
 
     def _wake(self, model: str, gate: _ModelGate) -> None:
         while len(gate.queue):
@@ -198,6 +205,7 @@ class OverloadGuard:
             waiter.future.set_exception(self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate))
 
     def _refusal(self, model: str, org: str, why: str, retry_s: float | None) -> Overloaded:
+        self._gate(model).refused_at = time.monotonic()
         self._metrics.overload_refusals.labels(model=model).inc()
         self.metrics.decisions.labels(model=model, organization=org, decision="refused").inc()
         retry_s = max(0.001, retry_s if retry_s is not None else self._cfg.retry_after_s)

@@ -5,7 +5,7 @@ tokens. The tokens each organization streams over the second half of the run are
 First come first served would give the organization with more clients more tokens (3:1 here); the
 virtual token counters must give the weights' ratio instead. Also: a waiter whose renewed
 estimate moved past its bound is refused then (not when the bound ran out), and a standing queue
-shortens the bound to the first-token target."""
+shortens the bound to the first-token target until refusals stop."""
 
 from __future__ import annotations
 
@@ -112,8 +112,10 @@ async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():
         with pytest.raises(Overloaded, match="queue timeout"):
             await waiter
         assert g.wait_bound_s("m") == 0.05                           # contended for 0.2 s on end
-    async with g.admit("m"):                                         # a free slot again
-        assert g.wait_bound_s("m") == 0.2
+    async with g.admit("m"):                                         # a free slot, but a refusal
+        assert g.wait_bound_s("m") == 0.05                           # within the last 0.2 s
+    await asyncio.sleep(0.25)
+    assert g.wait_bound_s("m") == 0.2                                # nobody refused for 0.2 s: over
 
 
 def contextlib_stack(g: OverloadGuard, n: int):
