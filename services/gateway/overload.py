@@ -14,8 +14,8 @@ past the limit (a quarter of it, at least one), so a light user stays interactiv
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
 absorbing a burst, but only ttft_target_s once every newcomer has had to wait for queue_timeout_s
-on end, until nobody has been refused for as long (a standing queue: sustained overload, where
-waiting longer only makes every first token late; Facebook's controlled-delay queues, "Fail at
+on end, until nobody has been refused for as long, if its organization holds slots already (a
+standing queue: sustained overload, where waiting longer only makes every first token late; Facebook's controlled-delay queues, "Fail at
 Scale", use the same two bounds). A newcomer whose
 estimated wait (its place in that order x the mean time a stream holds its slot / the limit)
 exceeds its bound, or who finds the queue full, is refused at once with that estimate as
@@ -167,17 +167,21 @@ class OverloadGuard:
         gate.queue.charge(org, cost, weight)
         gate.since_report.append(prompt_tokens)
 
-    def wait_bound_s(self, model: str) -> float:
-        """How long a request arriving now may wait: queue_timeout_s, or ttft_target_s in a standing
-        queue. One stands once every newcomer has had to wait for queue_timeout_s on end, and until
-        nobody has been refused for queue_timeout_s (under the short bound the queue empties between
-        arrivals, so its emptiness does not say the overload is over)."""
+    def wait_bound_s(self, model: str, org: str = "") -> float:
+        """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a
+        standing queue if `org` holds slots already (one with nothing in flight is not the overload:
+        it waits its turn, first in the fair order). A queue stands once every newcomer has had to
+        wait for queue_timeout_s on end, and until nobody has been refused for queue_timeout_s
+        (under the short bound the queue empties between arrivals, so its emptiness does not say
+        the overload is over)."""
         cfg, gate, now = self._cfg, self._gate(model), time.monotonic()
         if gate.contended_since is not None and now - gate.contended_since >= cfg.queue_timeout_s:
             gate.standing = True
         elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
             gate.standing = False
-        return min(cfg.queue_timeout_s, cfg.ttft_target_s) if gate.standing else cfg.queue_timeout_s
+        if gate.standing and gate.org_in_flight[org] > 0:
+            return min(cfg.queue_timeout_s, cfg.ttft_target_s)
+        return cfg.queue_timeout_s
 
     def _wake(self, model: str, gate: _ModelGate) -> None:
         while len(gate.queue):
@@ -261,7 +265,7 @@ class OverloadGuard:
         cfg = self._cfg
         if len(gate.queue) >= cfg.max_queued_per_model:
             raise self._refusal(model, waiter.org, "queue full", self.estimated_wait_s(model, len(gate.queue)))
-        bound = self.wait_bound_s(model)
+        bound = self.wait_bound_s(model, waiter.org)
         started = time.monotonic()
         waiter.deadline = started + bound
         gate.queue.push(waiter)

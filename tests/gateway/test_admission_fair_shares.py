@@ -112,6 +112,7 @@ async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():
         with pytest.raises(Overloaded, match="queue timeout"):
             await waiter
         assert g.wait_bound_s("m") == 0.05                           # contended for 0.2 s on end
+        assert g.wait_bound_s("m", "light") == 0.2                   # not for one with nothing in flight
     async with g.admit("m"):                                         # a free slot, but a refusal
         assert g.wait_bound_s("m") == 0.05                           # within the last 0.2 s
     await asyncio.sleep(0.25)
