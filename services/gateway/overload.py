@@ -14,8 +14,9 @@ past the limit (a quarter of it, at least one), so a light user stays interactiv
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
 absorbing a burst, but only ttft_target_s once every newcomer has had to wait for queue_timeout_s
-on end, until nobody has been refused for as long, if its organization holds slots already (a
-standing queue: sustained overload, where waiting longer only makes every first token late; Facebook's controlled-delay queues, "Fail at
+on end, until nobody has been refused for as long, if its organization holds slots already and is
+not the one the fair order serves next (a standing queue: sustained overload, where waiting longer
+only makes every first token late; Facebook's controlled-delay queues, "Fail at
 Scale", use the same two bounds). A newcomer whose
 estimated wait (its place in that order x the mean time a stream holds its slot / the limit)
 exceeds its bound, or who finds the queue full, is refused at once with that estimate as
@@ -169,17 +170,20 @@ class OverloadGuard:
 
     def wait_bound_s(self, model: str, org: str = "") -> float:
         """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a
-        standing queue if `org` holds slots already (one with nothing in flight is not the overload:
-        it waits its turn, first in the fair order). A queue stands once every newcomer has had to
-        wait for queue_timeout_s on end, and until nobody has been refused for queue_timeout_s
-        (under the short bound the queue empties between arrivals, so its emptiness does not say
-        the overload is over)."""
+        standing queue if `org` holds slots already and the fair order does not owe it the next one.
+        One with nothing in flight is not the overload: it waits its turn, first in the fair order.
+        The owed organization keeps the long bound so that its requests are queued when a slot
+        frees: with every organization's newcomers refused alike, slots went to whoever came back
+        first after Retry-After, and weights 2:1 gave 1.25:1. A queue stands once every newcomer
+        has had to wait for queue_timeout_s on end, and until nobody has been refused for
+        queue_timeout_s (under the short bound the queue empties between arrivals, so its
+        emptiness does not say the overload is over)."""
         cfg, gate, now = self._cfg, self._gate(model), time.monotonic()
         if gate.contended_since is not None and now - gate.contended_since >= cfg.queue_timeout_s:
             gate.standing = True
         elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
             gate.standing = False
-        if gate.standing and gate.org_in_flight[org] > 0:
+        if gate.standing and gate.org_in_flight[org] > 0 and not gate.queue.owed(org):
             return min(cfg.queue_timeout_s, cfg.ttft_target_s)
         return cfg.queue_timeout_s
 

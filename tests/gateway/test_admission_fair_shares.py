@@ -129,3 +129,16 @@ def contextlib_stack(g: OverloadGuard, n: int):
                 await self.enter_async_context(g.admit("m"))
             return self
     return Held()
+
+
+async def test_in_a_standing_queue_the_organization_the_fair_order_owes_keeps_the_long_bound():
+    import contextlib
+    g = guard(queue_timeout_s=0.2, ttft_target_s=0.05)
+    async with contextlib.AsyncExitStack() as held:
+        await held.enter_async_context(g.admit("m", org="light"))
+        for _ in range(SLOTS - 1):
+            await held.enter_async_context(g.admit("m", org="heavy"))
+        with pytest.raises(Overloaded, match="queue timeout"):         # every slot taken for 0.2 s
+            await held.enter_async_context(g.admit("m", org="heavy"))
+        assert g.wait_bound_s("m", "heavy") == 0.05                   # served more: refused at once
+        assert g.wait_bound_s("m", "light") == 0.2                    # owed the next slot: may wait for it

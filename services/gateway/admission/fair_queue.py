@@ -114,6 +114,12 @@ class FairQueue:
         """How many waiters are admitted before it."""
         return self.ordered().index(waiter)
 
+    def owed(self, org: str) -> bool:
+        """`org` is active beside others and its counter is the smallest: the fair order serves it next."""
+        entry = self._orgs.get(org)
+        others = [o.counter for name, o in self._orgs.items() if name != org and o.active > 0]
+        return entry is not None and bool(others) and entry.counter <= min(others)
+
     def counter(self, org: str) -> float | None:
         entry = self._orgs.get(org)
         return entry.counter if entry else None
