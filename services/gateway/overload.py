@@ -13,17 +13,16 @@ past the limit (a quarter of it, at least one), so a light user stays interactiv
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
-absorbing a burst, but only ttft_target_s once every newcomer has had to wait for queue_timeout_s
-on end, until nobody has been refused for as long, if its organization holds slots already and is
-not the one the fair order serves next (a standing queue: sustained overload, where waiting longer
-only makes every first token late; Facebook's controlled-delay queues, "Fail at
-Scale", use the same two bounds). A newcomer whose
-estimated wait (its place in that order x the mean time a stream holds its slot / the limit)
-exceeds its bound, or who finds the queue full, is refused at once with that estimate as
-Retry-After. The estimate of everyone waiting is renewed whenever it can change (a slot freed, a
-new report, a newcomer placed ahead by the fair order): a waiter who can no longer be admitted
-within its bound is refused then, not when the bound runs out. Nothing reaches the upstream before
-admission, so a refused request costs the pool nothing.
+absorbing a burst, but only ttft_target_s in a standing queue (every newcomer has had to wait for
+queue_timeout_s on end; it lasts until nobody has been refused for as long) if its organization
+holds slots already and is not the one the fair order serves next: under sustained overload,
+waiting longer only makes every first token late (Facebook's controlled-delay queues, "Fail at
+Scale", use the same two bounds). A newcomer whose estimated wait (its place in that order x the
+mean time a stream holds its slot / the limit) exceeds its bound, or who finds the queue full, is
+refused at once with that estimate as Retry-After. The estimate of everyone waiting is renewed
+whenever it can change (a slot freed, a new report, a newcomer placed ahead by the fair order): a
+waiter who can no longer be admitted within its bound is refused then, not when the bound runs
+out. Nothing reaches the upstream before admission, so a refused request costs the pool nothing.
 """
 
 from __future__ import annotations
