@@ -283,7 +283,10 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on it. SO_REUSEADDR as the servers bind: a port in TIME-WAIT after the last
+    platform stopped is free to them."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((HOST, port))
             return True
