@@ -6,24 +6,38 @@ processing the outputs. On a GPU that work either overlaps the device or caps th
 Each phase is timed by wrapping the engine's own entry points, so the same measurement runs
 against any version of the engine:
 - schedule: Scheduler.schedule;
-- prepare inputs: from ModelRunner.execute's start to the model's forward;
-- process outputs: the rest of LLMEngine.step (state update, detokenization, stop checks);
+- prepare inputs: from ModelRunner.execute's start to the model's forward (or the decode graphs);
+- process outputs: the rest of the engine core's step (the scheduler's state update, token stops,
+  the per-choice outputs, drafts for the next step); in a tree without an engine core (before
+  issue 14's split), the rest of LLMEngine.step less the text processing;
+- front end: detokenization and stop strings (OutputProcessor.process; before the split,
+  RequestOutputState.process), which run in the front end's process when the core has its own
+  (engine.engine_process), so they are reported apart from the host total;
 - runner, other: the rest of ModelRunner.execute less the forward, the logits and the sampler
   (on this CPU mostly freeing the step's vocabulary-sized logits, which a GPU's caching
   allocator does in microseconds), reported apart.
 Times are the engine thread's CPU time (time.thread_time), so that other processes on a shared
 machine do not count; medians over the steps.
+
+Before and after in one run: report_host_time first measures the tree at BEFORE_REV (extracted
+with `git archive` into a temporary folder, run in a subprocess with this same file), then this one.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from services.worker.config import EngineConfig, ModelSourceConfig
-from services.worker.engine.build import build_engine
-from services.worker.engine.sampling_params import SamplingParams
+REPO = Path(__file__).resolve().parents[1]
+# The tree before issue 14's step plan and persistent batch (its host time: docs/perf/engine.md).
+BEFORE_REV = "49be0ed"
 
 
 @dataclass
@@ -60,6 +74,10 @@ class _TimedModel:
 
 def host_time_per_step(num_seqs: int, steps: int = 30, prompt_len: int = 32) -> dict[str, float]:
     """Median milliseconds per decode step of num_seqs running sequences, per phase."""
+    from services.worker.config import EngineConfig, ModelSourceConfig
+    from services.worker.engine.build import build_engine
+    from services.worker.engine.sampling_params import SamplingParams
+
     blocks_per_seq = -(-(prompt_len + steps + 8) // 16) + 1
     built = build_engine(ModelSourceConfig(source="random:tiny", device="cpu"),
                          EngineConfig(num_blocks=num_seqs * blocks_per_seq + 16, max_num_seqs=num_seqs,
@@ -75,8 +93,17 @@ def host_time_per_step(num_seqs: int, steps: int = 30, prompt_len: int = 32) -> 
     engine.runner.execute = clock.timed("execute", engine.runner.execute)
     engine.runner.model = _TimedModel(engine.runner.model, clock)
     engine.runner.sampler.sample = clock.timed("device", engine.runner.sampler.sample)
-    samples: dict[str, list[float]] = {"schedule": [], "prepare": [], "outputs": [], "host": [], "device": [],
-                                       "runner_other": []}
+    if getattr(engine.runner, "decode_graphs", None) is not None:
+        graphs = engine.runner.decode_graphs
+        graphs.run = clock.timed("device", graphs.run)
+    if hasattr(engine, "processor"):                     # the engine core and the front end apart
+        engine.processor.process = clock.timed("front", engine.processor.process)
+    else:
+        from services.worker.engine import output_processor
+        output_processor.RequestOutputState.process = clock.timed(
+            "front", output_processor.RequestOutputState.process)
+    samples: dict[str, list[float]] = {name: [] for name in (
+        "schedule", "prepare", "outputs", "host", "front", "device", "runner_other")}
     for _ in range(steps):
         clock.spent.clear()
         clock.marks.clear()
@@ -86,21 +113,59 @@ def host_time_per_step(num_seqs: int, steps: int = 30, prompt_len: int = 32) -> 
         assert len(outputs) == num_seqs
         s = clock.spent
         prepare = clock.marks["device"] - clock.marks["execute"]
-        outputs_s = total - s["schedule"] - s["execute"]
+        outputs_s = total - s["schedule"] - s["execute"] - s["front"]
         for name, value in (("schedule", s["schedule"]), ("prepare", prepare), ("outputs", outputs_s),
-                            ("host", s["schedule"] + prepare + outputs_s), ("device", s["device"]),
-                            ("runner_other", s["execute"] - s["device"] - prepare)):
+                            ("host", s["schedule"] + prepare + outputs_s), ("front", s["front"]),
+                            ("device", s["device"]), ("runner_other", s["execute"] - s["device"] - prepare)):
             samples[name].append(value * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def report_host_time(sizes: tuple[int, ...] = (64, 256)) -> None:
+def print_host_time(sizes: tuple[int, ...], label: str = "") -> None:
     for n in sizes:
         t = host_time_per_step(n)
-        print(f"host/step     {n:3d} seqs: {t['host']:.2f} ms host (schedule {t['schedule']:.2f}, prepare inputs "
-              f"{t['prepare']:.2f}, process outputs {t['outputs']:.2f}); runner, other {t['runner_other']:.2f}; "
-              f"forward+sample {t['device']:.2f} ms on this CPU (target host <= 1.5 ms at 256)")
+        print(f"{label}host/step {n:3d} seqs: {t['host']:.2f} ms host (schedule {t['schedule']:.2f}, prepare inputs "
+              f"{t['prepare']:.2f}, process outputs {t['outputs']:.2f}); front end {t['front']:.2f}; "
+              f"runner, other {t['runner_other']:.2f}; forward+sample {t['device']:.2f} ms on this CPU "
+              f"(target host <= 1.5 ms at 256)", flush=True)
+
+
+def report_host_time(sizes: tuple[int, ...] = (64, 256), before: str | None = BEFORE_REV) -> None:
+    """Section 6: the tree at `before` (None: skip), then this one, with this file's measurement."""
+    if before:
+        try:
+            measure_tree(before, sizes)
+        except (OSError, subprocess.CalledProcessError) as error:   # no git checkout here, say
+            print(f"before  host/step: the tree at {before} not measured ({error})", flush=True)
+    print_host_time(sizes, "after   ")
+
+
+def measure_tree(rev: str, sizes: tuple[int, ...]) -> None:
+    """This measurement against the tree at git revision rev, in a subprocess importing that tree."""
+    with tempfile.TemporaryDirectory(prefix="host-step-") as tree:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        if (REPO / "libs" / "llmserve" / "v1").is_dir() and not (Path(tree) / "libs/llmserve/v1").exists():
+            subprocess.run(["cp", "-r", str(REPO / "libs/llmserve/v1"), f"{tree}/libs/llmserve/"], check=True)
+        code = ("import runpy, sys; sys.argv = ['host_step', '--no-before', '--label', 'before  ', '--sizes', "
+                f"{','.join(map(str, sizes))!r}]; runpy.run_path({str(Path(__file__))!r}, run_name='__main__')")
+        env = {**os.environ, "PYTHONPATH": tree}
+        subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64,256")
+    parser.add_argument("--before", default=BEFORE_REV, help="git revision measured first (the 'before')")
+    parser.add_argument("--no-before", action="store_true", help="measure only the tree importable here")
+    parser.add_argument("--label", default="after   ")
+    args = parser.parse_args()
+    sizes = tuple(int(n) for n in args.sizes.split(","))
+    if args.no_before:
+        print_host_time(sizes, args.label)
+    else:
+        report_host_time(sizes, args.before)
 
 
 if __name__ == "__main__":
-    report_host_time()
+    main()

@@ -18,7 +18,7 @@ from services.worker.engine.model_runner import Draft, ModelRunner
 from services.worker.engine.request import Request
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.sampling_params import SamplingParams
-from services.worker.engine.scheduler import ScheduledRequest
+from services.worker.engine.scheduler import NewRequest, ScheduledRequest, SchedulerOutput
 from services.worker.spec.draft_model import DraftModelProposer
 from tests.worker.test_rejection import SIGNIFICANCE, VOCAB, chi_square_p_value, distributions
 
@@ -59,8 +59,9 @@ def speculate(alter=None) -> list[list[int]]:
     batch = []
     for i in range(TRIALS):
         r = Request(f"r{i}", [LAST_PROMPT_TOKEN], SamplingParams(temperature=1.0), max_tokens=16, eos_token_ids=[])
-        batch.append(ScheduledRequest(r, num_new_tokens=K + 1, num_spec_tokens=K, block_ids=[i + 1]))
-    results = runner.execute(batch)
+        batch.append(ScheduledRequest(r, num_new_tokens=K + 1, num_spec_tokens=K, block_ids=[i + 1],
+                                      new=NewRequest.of(r)))
+    results = runner.execute(SchedulerOutput(batch))
     return [results[item.request.request_id].token_ids for item in batch]
 
 

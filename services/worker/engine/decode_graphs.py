@@ -81,15 +81,17 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     @torch.inference_mode()
-    def run(self, token_ids: Sequence[int], positions: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def run(self, token_ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+            block_tables: Sequence[Sequence[int]] | np.ndarray) -> torch.Tensor:
         """Logits [n, vocab] of n decode rows: row i is token token_ids[i] at positions[i] of the
-        sequence whose block table is block_tables[i]. The result is a view of a static buffer,
-        valid until the next run."""
+        sequence whose block table is block_tables[i] (lists, or the runner's batch's int32
+        [n, width] array, padded with block 0). The result is a view of a static buffer, valid
+        until the next run."""
         n = len(token_ids)
         size = next(s for s in self.sizes if s >= n)
-        table = block_table_array(block_tables)
-        rows = np.array([list(token_ids), list(positions), [0] * n], np.int64)
+        table = block_tables if isinstance(block_tables, np.ndarray) else block_table_array(block_tables)
+        rows = np.empty((3, n), np.int64)
+        rows[0], rows[1] = token_ids, positions
         rows[2] = slot_mapping(table, np.arange(n), rows[1], self.block_size)
         self.rows[:, :n].copy_(torch.from_numpy(rows))
         tables = torch.from_numpy(table)

@@ -89,6 +89,12 @@ class KVCacheManager:
         """
         blocks = self._blocks.get(request.request_id, [])
         end = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        cache_end = min(end, num_tokens_to_cache if num_tokens_to_cache is not None else end)
+        if blocks and end <= len(blocks) * self.block_size and not cached and self.sliding_window is None:
+            # A step inside the blocks it holds (most decodes): at most a registration to make.
+            if self.enable_prefix_caching:
+                self._register_full_blocks(request, cache_end)
+            return True
         n = max(0, -(-end // self.block_size) - len(blocks) - len(cached))
         revived = sum(1 for b in cached if b.ref_count == 0)   # cached blocks sitting in the free list
         if n + revived > self.pool.num_free_blocks:
@@ -102,7 +108,7 @@ class KVCacheManager:
         blocks.extend(new)
         self._block_ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
         if self.enable_prefix_caching:
-            self._register_full_blocks(request, min(end, num_tokens_to_cache if num_tokens_to_cache is not None else end))
+            self._register_full_blocks(request, cache_end)
         if self.sliding_window is not None:
             self._release_out_of_window(blocks, self._block_ids[request.request_id], end - num_new_tokens)
         return True

@@ -14,6 +14,13 @@ The scheduler is the one owner of request state after a step: update_from_output
 runner's results (computed tokens, accepted drafts, the sampled tokens and the stops they
 make), and finish takes a request out (finished, stopped on a string, aborted) and frees its
 blocks. The engine and the output processor only read requests.
+
+Each step's plan (SchedulerOutput) is all the runner reads: a request the runner does not hold
+comes with its tokens, sampling settings and whole block table (NewRequest), the first time it
+is scheduled or after a preemption; later steps carry only diffs (the step's token counts, the
+block ids appended since the runner last saw the table, the drafts to verify); and the ids that
+left (finished, aborted, preempted) since the last plan the runner saw. The runner appends the
+tokens it sampled itself: any it sampled past a stop belong to a request that leaves.
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from services.worker.engine.fair_queue import FairQueue
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.stop_checks import check_stop
 
 if TYPE_CHECKING:
@@ -36,19 +46,53 @@ class SchedulerConfig:
     max_num_batched_tokens: int
 
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int          # tokens computed this step, from request.num_computed_tokens
-    num_spec_tokens: int         # the last num_spec_tokens of them are unverified drafts
-    block_ids: list[int]
-    start_position: int = 0      # request.num_computed_tokens when scheduled
-    samples: bool = False        # the step reaches the last known token, so a new one is sampled
+@dataclass(slots=True)
+class NewRequest:
+    """What the runner keeps about a request it does not hold yet (first schedule, or after a
+    preemption): everything sampling reads, copied, so the runner never reads the live request."""
+    token_ids: list[int]               # prompt + output so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...]     # () when EOS is not held back (ignore_eos, or a grammar decides)
+    constrained: bool                  # sampled under its grammar's masks (StepMasks)
 
-    def __post_init__(self) -> None:
-        r = self.request
-        self.start_position = r.num_computed_tokens
-        self.samples = r.num_computed_tokens + self.num_known_tokens >= r.num_tokens
+    @classmethod
+    def of(cls, request: Request) -> NewRequest:
+        free_eos = request.params.ignore_eos or request.matcher is not None
+        return cls(list(request.all_token_ids), request.num_prompt_tokens, request.params, request.generator,
+                   () if free_eos else tuple(request.eos_token_ids), request.matcher is not None)
+
+
+_NONE: list[int] = []   # shared, never changed: an empty diff
+
+
+class ScheduledRequest:
+    """One request's part of a step. block_ids is the live table (read it, never change it);
+    new_block_ids replace the runner's table from index block_start on (the ids appended since
+    the runner last saw it; the whole table for a new request or under a sliding window)."""
+
+    __slots__ = ("request", "request_id", "num_new_tokens", "num_spec_tokens", "block_ids", "start_position",
+                 "samples", "new", "new_block_ids", "block_start", "spec_token_ids")
+
+    def __init__(self, request: Request, num_new_tokens: int, num_spec_tokens: int, block_ids: list[int],
+                 new: NewRequest | None = None, block_start: int = 0,
+                 spec_token_ids: list[int] | None = None) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.num_new_tokens = num_new_tokens      # tokens computed this step, from request.num_computed_tokens
+        self.num_spec_tokens = num_spec_tokens    # the last num_spec_tokens of them are unverified drafts
+        self.block_ids = block_ids
+        self.start_position = start = request.num_computed_tokens
+        # The step reaches the last known token, so a new one is sampled.
+        self.samples = start + num_new_tokens - num_spec_tokens >= len(request.all_token_ids)
+        self.new = new
+        self.block_start = block_start
+        self.new_block_ids = block_ids[block_start:] if block_start < len(block_ids) else _NONE
+        # The n-gram's drafts (a draft model makes its own inside the step).
+        if spec_token_ids is None:
+            spec_token_ids = request.spec_token_ids[:num_spec_tokens] if num_spec_tokens else _NONE
+        self.spec_token_ids = spec_token_ids
 
     @property
     def num_known_tokens(self) -> int:
@@ -60,6 +104,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)   # left the runner's batch since its last plan
 
     @property
     def num_batched_tokens(self) -> int:
@@ -73,6 +118,11 @@ class Scheduler:
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # The runner's view: block ids it holds per request it holds, and who left since its last plan.
+        self._sent_blocks: dict[str, int] = {}
+        self._left: list[str] = []
+        # Under a sliding window the manager rewrites released entries: tables are sent whole.
+        self._whole_tables = kv.sliding_window is not None
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -87,24 +137,33 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_spec = request.num_spec_tokens if request.num_computed_tokens == request.num_tokens - 1 else 0
-            num_new = min(request.num_tokens + num_spec - request.num_computed_tokens, budget)
-            num_spec = max(0, min(num_spec, num_new - 1))
-            while not self.kv.allocate(request, num_new, num_tokens_to_cache=request.num_tokens):
+            num_tokens, num_computed = len(request.all_token_ids), request.num_computed_tokens
+            num_spec = request.num_spec_tokens if num_computed == num_tokens - 1 else 0
+            num_new = num_tokens + num_spec - num_computed
+            if num_new > budget:
+                num_new = budget
+            if num_spec:
+                num_spec = max(0, min(num_spec, num_new - 1))
+            while not self.kv.allocate(request, num_new, num_tokens_to_cache=num_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, num_spec, self.kv.block_ids(request.request_id)))
+                out.scheduled.append(self._scheduled(request, num_new, num_spec))
                 budget -= num_new
                 i += 1
                 continue
             break
-        if out.preempted:
-            self.waiting.charge(out.scheduled)
-            return out   # the pool is full: admitting now would only preempt again
+        if not out.preempted:   # else the pool is full: admitting now would only preempt again
+            self._admit(out, budget)
+        self.waiting.charge(out.scheduled)
+        if out.scheduled:   # a plan with nothing scheduled never reaches the runner
+            out.finished_ids, self._left = self._left, []
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             cached, num_cached = self.kv.find_cached_prefix(request)
@@ -117,10 +176,18 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, 0, self.kv.block_ids(request.request_id)))
+            out.scheduled.append(self._scheduled(request, num_new, 0))
             budget -= num_new
-        self.waiting.charge(out.scheduled)
-        return out
+
+    def _scheduled(self, request: Request, num_new: int, num_spec: int) -> ScheduledRequest:
+        """The request's entry in the plan, and the runner's view of its table brought up to date."""
+        rid = request.request_id
+        block_ids = self.kv.block_ids(rid)
+        sent = self._sent_blocks.get(rid)
+        self._sent_blocks[rid] = len(block_ids)
+        if sent is None:
+            return ScheduledRequest(request, num_new, num_spec, block_ids, new=NewRequest.of(request))
+        return ScheduledRequest(request, num_new, num_spec, block_ids, block_start=0 if self._whole_tables else sent)
 
     def update_from_output(self, out: SchedulerOutput, results: dict[str, StepResult],
                            now: float) -> list[tuple[Request, list[int]]]:
@@ -143,18 +210,20 @@ class Scheduler:
                 r.spec_proposed += item.num_spec_tokens
                 r.spec_accepted += accepted
                 r.draft_length.record(item.num_spec_tokens, accepted)
-            r.spec_token_ids, r.num_spec_tokens = [], 0
+            if r.num_spec_tokens or r.spec_token_ids:
+                r.spec_token_ids, r.num_spec_tokens = [], 0
             if r.first_token_time is None:
                 r.first_token_time = now
-            taken = []
-            for token in result.token_ids:
-                r.append_output(token)
-                taken.append(token)
+            tokens = result.token_ids
+            for j, token in enumerate(tokens):
+                r.output_token_ids.append(token)
+                r.all_token_ids.append(token)
                 status = check_stop(r, token)
                 if status is not None:
                     self.finish(r, status)
+                    tokens = tokens[:j + 1]
                     break
-            updates.append((r, taken))
+            updates.append((r, tokens))
         return updates
 
     def set_draft(self, request: Request, num_spec_tokens: int, token_ids: list[int]) -> None:
@@ -175,7 +244,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.waiting.finished(request)
-        self.kv.free(request)
+        self._release(request)
 
     def roll_back(self, out: SchedulerOutput, blamed: set[str]) -> None:
         """The step `out` failed before any state moved: the blocks it registered in the prefix cache
@@ -188,8 +257,14 @@ class Scheduler:
                 self.running.remove(item.request)
                 self._preempt(item.request, counted=False)
 
-    def _preempt(self, request: Request, counted: bool = True) -> None:
+    def _release(self, request: Request) -> None:
+        """Its blocks back to the pool, and out of the runner's batch at the next plan."""
         self.kv.free(request)
+        if self._sent_blocks.pop(request.request_id, None) is not None:
+            self._left.append(request.request_id)
+
+    def _preempt(self, request: Request, counted: bool = True) -> None:
+        self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []

@@ -218,6 +218,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return out
     grid, kwargs = launch_config(query, key_cache, value_cache, block_tables, seq_lens,
                                  query_start_loc, max_query_len, scale, tile_n, window)
-    _paged_attention_kernel[grid](out=out, stride_ot=out.stride(0), stride_oh=out.stride(1),
-                                  **kwargs)
+    return launch_paged_attention(out, grid, kwargs)
+
+
+def launch_paged_attention(out: torch.Tensor, grid: tuple[int, int], kwargs: dict) -> torch.Tensor:
+    """The kernel launch alone, with a launch_config already checked (the backend plans once per
+    step and launches in every layer)."""
+    _paged_attention_kernel[grid](out=out, stride_ot=out.stride(0), stride_oh=out.stride(1), **kwargs)
     return out

@@ -99,11 +99,17 @@ def split_kv_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(query) if out is None else out
-    num_tokens, num_heads, head_dim = query.shape
-    if num_tokens == 0:
+    if query.shape[0] == 0:
         return out
     grid, kwargs = launch_config(query, key_cache, value_cache, block_tables, seq_lens,
                                  query_start_loc, max_query_len, scale, tile_n, window)
+    return launch_split_kv(out, grid, kwargs, num_splits)
+
+
+def launch_split_kv(out: torch.Tensor, grid: tuple[int, int], kwargs: dict, num_splits: int) -> torch.Tensor:
+    """The launches alone (split kernel, merge kernel), with a launch_config already checked."""
+    query = kwargs["query"]
+    num_tokens, num_heads, head_dim = query.shape
     head_pad = kwargs["HEAD_PAD"]
     partial_out = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32,
                               device=query.device)
