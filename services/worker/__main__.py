@@ -94,6 +94,9 @@ async def serve(cfg: WorkerConfig) -> None:
         failure.append(reason)
         loop.call_soon_threadsafe(stop.set)
 
+    # Before anything can be served: a SIGTERM once the first stream runs must drain it, not kill it.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     started = await start_engine(cfg, engine_failed)
     engine, model = started.client, started.model
     metrics = WorkerMetrics(model.name, lambda: engine.stats)
@@ -120,8 +123,6 @@ async def serve(cfg: WorkerConfig) -> None:
     if cfg.server.register_with:
         await _register(cfg, port, model.name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # Drain: report NOT_SERVING so routers stop sending, let running requests finish. A dead
     # engine has ended its streams already: stay NOT_SERVING a moment for the routers, then go.

@@ -150,3 +150,19 @@ def test_a_killed_engine_core_ends_the_streams_and_the_worker(tmp_path, referenc
             time.sleep(0.1)
         assert not_serving
         assert w.process.wait(timeout=60) != 0, w.log()[-2000:]
+
+
+def test_sigterm_drains_the_running_streams_then_stops_the_core(tmp_path, reference):
+    ids, ref = reference
+    with core_worker(tmp_path, server__grace_period_s="120") as w, grpc.insecure_channel(w.address) as channel:
+        stub = worker_pb2_grpc.GenerationStub(channel)
+        core = engine_core_process(w)
+        call = stub.Generate(by_ids(ids, 24, ignore_eos=True), timeout=120)
+        first = next(call)
+        w.process.send_signal(signal.SIGTERM)   # the front end alone, as Kubernetes does
+        rest = list(call)
+        assert [t for r in [first, *rest] for t in r.token_ids] == ref.tokens
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert w.process.wait(timeout=60) == 0, w.log()[-2000:]
+        core.wait(timeout=30)   # gone with the worker: stopped when asked, not killed
+        assert not core.is_running() and "did not stop" not in w.log()

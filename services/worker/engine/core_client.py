@@ -188,7 +188,10 @@ class EngineCoreClient:
 
     def _send(self, message: list) -> None:
         if self.dead is None:
-            self._commands.send(msgpack.packb(message), zmq.NOBLOCK)
+            try:
+                self._commands.send(msgpack.packb(message), zmq.NOBLOCK)
+            except zmq.Again:   # no core connected: it has just died, and the watcher says so
+                log.warning("engine core unreachable; dropped a %r command", message[0])
 
     async def _read(self) -> None:
         while True:
