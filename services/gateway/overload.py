@@ -15,7 +15,7 @@ Who waits goes first by priority class, then organization in weighted fair order
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
 absorbing a burst, but only ttft_target_s in a standing queue (every newcomer has had to wait for
 queue_timeout_s on end; it lasts until nobody has been refused for as long) if its organization
-holds slots already and is not the one the fair order serves next: under sustained overload,
+holds slots already and the fair order does not need a waiter of it: under sustained overload,
 waiting longer only makes every first token late (Facebook's controlled-delay queues, "Fail at
 Scale", use the same two bounds). A newcomer whose estimated wait (its place in that order x the
 mean time a stream holds its slot / the limit) exceeds its bound, or who finds the queue full, is
@@ -169,11 +169,13 @@ class OverloadGuard:
 
     def wait_bound_s(self, model: str, org: str = "") -> float:
         """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a
-        standing queue if `org` holds slots already and the fair order does not owe it the next one.
+        standing queue if `org` holds slots already and the fair order does not need a waiter of it.
         One with nothing in flight is not the overload: it waits its turn, first in the fair order.
-        The owed organization keeps the long bound so that its requests are queued when a slot
-        frees: with every organization's newcomers refused alike, slots went to whoever came back
-        first after Retry-After, and weights 2:1 gave 1.25:1. A queue stands once every newcomer
+        Beside other organizations, one with nobody queued, or the one the order serves next, keeps
+        the long bound, so that each has a request queued when a slot frees: with every
+        organization's newcomers refused alike, slots went to whoever came back first after
+        Retry-After and weights 2:1 gave 1.25:1; with only the next one's queued, the others' clients
+        slept out long Retry-Afters and equal weights gave 0.79:1. A queue stands once every newcomer
         has had to wait for queue_timeout_s on end, and until nobody has been refused for
         queue_timeout_s (under the short bound the queue empties between arrivals, so its
         emptiness does not say the overload is over)."""
@@ -182,7 +184,7 @@ class OverloadGuard:
             gate.standing = True
         elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
             gate.standing = False
-        if gate.standing and gate.org_in_flight[org] > 0 and not gate.queue.owed(org):
+        if gate.standing and gate.org_in_flight[org] > 0 and not gate.queue.needs_waiter(org):
             return min(cfg.queue_timeout_s, cfg.ttft_target_s)
         return cfg.queue_timeout_s
 

@@ -131,7 +131,7 @@ def contextlib_stack(g: OverloadGuard, n: int):
     return Held()
 
 
-async def test_in_a_standing_queue_the_organization_the_fair_order_owes_keeps_the_long_bound():
+async def test_in_a_standing_queue_each_organization_keeps_one_waiter_and_the_owed_one_more():
     import contextlib
     g = guard(queue_timeout_s=0.2, ttft_target_s=0.05)
     async with contextlib.AsyncExitStack() as held:
@@ -140,5 +140,12 @@ async def test_in_a_standing_queue_the_organization_the_fair_order_owes_keeps_th
             await held.enter_async_context(g.admit("m", org="heavy"))
         with pytest.raises(Overloaded, match="queue timeout"):         # every slot taken for 0.2 s
             await held.enter_async_context(g.admit("m", org="heavy"))
-        assert g.wait_bound_s("m", "heavy") == 0.05                   # served more: refused at once
         assert g.wait_bound_s("m", "light") == 0.2                    # owed the next slot: may wait for it
+        assert g.wait_bound_s("m", "heavy") == 0.2                    # nobody of heavy queued: one may wait
+        waiter = asyncio.create_task(held.enter_async_context(g.admit("m", org="heavy")))
+        await asyncio.sleep(0.01)
+        assert g.wait_bound_s("m", "heavy") == 0.05                   # served more, one queued: refused at once
+        assert g.wait_bound_s("m", "light") == 0.2
+        assert g.wait_bound_s("m", "") == 0.2                         # nothing in flight
+        with pytest.raises(Overloaded, match="queue timeout"):
+            await waiter

@@ -114,11 +114,14 @@ class FairQueue:
         """How many waiters are admitted before it."""
         return self.ordered().index(waiter)
 
-    def owed(self, org: str) -> bool:
-        """`org` is active beside others and its counter is the smallest: the fair order serves it next."""
+    def needs_waiter(self, org: str) -> bool:
+        """Another organization is active too, and `org` has nothing queued or the smallest counter
+        (the fair order serves it next): a waiter of it keeps the order able to choose it when a
+        slot frees. The virtual token counters share slots by weight only between organizations
+        that have someone waiting."""
         entry = self._orgs.get(org)
         others = [o.counter for name, o in self._orgs.items() if name != org and o.active > 0]
-        return entry is not None and bool(others) and entry.counter <= min(others)
+        return entry is not None and bool(others) and (not entry.queue or entry.counter <= min(others))
 
     def counter(self, org: str) -> float | None:
         entry = self._orgs.get(org)
