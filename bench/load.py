@@ -535,7 +535,8 @@ def main() -> None:
     if "peers" in parts:   # after the platform stopped: the peers get the machine
         peers: dict = {"peers_started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         try:
-            peers["llama_cpp"] = llama_cpp_peer(str(smollm2_gguf_path()), 0, 0, tokenizer.eos_token_ids,
+            # <|im_start|> (1) too: llama.cpp's ChatML handler stops on it, which cut a stream short.
+            peers["llama_cpp"] = llama_cpp_peer(str(smollm2_gguf_path()), 0, 0, sorted({1, *tokenizer.eos_token_ids}),
                                                 prompts=prompts, python=args.llama_python,
                                                 port=args.port_base + LLAMA_PORT)
         except RuntimeError as e:
