@@ -17,10 +17,13 @@ against any version of the engine:
   (on this CPU mostly freeing the step's vocabulary-sized logits, which a GPU's caching
   allocator does in microseconds), reported apart.
 Times are the engine thread's CPU time (time.thread_time), so that other processes on a shared
-machine do not count; medians over the steps.
+machine do not count; medians over the steps. A tree whose core process tunes the garbage
+collector (core_process.tune_gc: start-up objects frozen, a larger young generation) is measured
+with it, as its core runs.
 
-Before and after in one run: report_host_time first measures the tree at BEFORE_REV (extracted
-with `git archive` into a temporary folder, run in a subprocess with this same file), then this one.
+Before and after in one run: report_host_time first measures the tree at BEFORE_REV (or each of
+--before's comma-separated revisions, extracted with `git archive` into a temporary folder, run in
+a subprocess with this same file), then this one.
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ def host_time_per_step(num_seqs: int, steps: int = 30, prompt_len: int = 32) -> 
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True))
     engine.step()                                        # every prompt prefilled in one step
     assert len(engine.scheduler.running) == num_seqs, "the bench needs every sequence running"
+    try:                                                 # the core process's collector settings, where
+        from services.worker.engine.core_process import tune_gc   # the tree has them
+    except ImportError:
+        tune_gc = None
+    if tune_gc is not None:
+        tune_gc()
     clock = PhaseClock()
     engine.scheduler.schedule = clock.timed("schedule", engine.scheduler.schedule)
     engine.runner.execute = clock.timed("execute", engine.runner.execute)
@@ -132,11 +141,13 @@ def print_host_time(sizes: tuple[int, ...], label: str = "") -> None:
 
 def report_host_time(sizes: tuple[int, ...] = (64, 256), before: str | None = BEFORE_REV) -> None:
     """Section 6: the tree at `before` (None: skip), then this one, with this file's measurement."""
-    if before:
+    for rev in (before or "").split(","):
+        if not rev:
+            continue
         try:
-            measure_tree(before, sizes)
+            measure_tree(rev, sizes)
         except (OSError, subprocess.CalledProcessError) as error:   # no git checkout here, say
-            print(f"before  host/step: the tree at {before} not measured ({error})", flush=True)
+            print(f"before  host/step: the tree at {rev} not measured ({error})", flush=True)
     print_host_time(sizes, "after   ")
 
 
@@ -147,7 +158,8 @@ def measure_tree(rev: str, sizes: tuple[int, ...]) -> None:
         subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
         if (REPO / "libs" / "llmserve" / "v1").is_dir() and not (Path(tree) / "libs/llmserve/v1").exists():
             subprocess.run(["cp", "-r", str(REPO / "libs/llmserve/v1"), f"{tree}/libs/llmserve/"], check=True)
-        code = ("import runpy, sys; sys.argv = ['host_step', '--no-before', '--label', 'before  ', '--sizes', "
+        label = "before  " if rev == BEFORE_REV else f"{rev[:7]:8s}"
+        code = ("import runpy, sys; sys.argv = ['host_step', '--no-before', '--label', " f"{label!r}" ", '--sizes', "
                 f"{','.join(map(str, sizes))!r}]; runpy.run_path({str(Path(__file__))!r}, run_name='__main__')")
         env = {**os.environ, "PYTHONPATH": tree}
         subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
@@ -156,7 +168,7 @@ def measure_tree(rev: str, sizes: tuple[int, ...]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64,256")
-    parser.add_argument("--before", default=BEFORE_REV, help="git revision measured first (the 'before')")
+    parser.add_argument("--before", default=BEFORE_REV, help="git revisions measured first, comma-separated (the 'before')")
     parser.add_argument("--no-before", action="store_true", help="measure only the tree importable here")
     parser.add_argument("--label", default="after   ")
     args = parser.parse_args()

@@ -21,6 +21,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # see services/worker/__main__.py
 
+import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
@@ -132,6 +133,19 @@ def _die_with_parent() -> None:
         pass
 
 
+# Young-generation collections every 700 net allocations ran about once a step at 256 sequences
+# (~0.35 ms each on the CPU); a step's objects die by reference count well before 50,000.
+GC_GEN0_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """After start-up: what exists now (model, tokenizer, compiled grammars) is frozen out of every
+    collection (as vLLM does), and the young generation is collected less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config_path, ipc_dir = argv
@@ -154,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("the engine core could not start")
         outputs.send(msgpack.packb(["failed", f"the engine could not start: {e}"]))
         return 1
+    tune_gc()
     loop = CoreLoop(built.engine.core, commands, outputs)
     if built.parallel is not None:   # a rank died: the core cannot step, so it reports and exits
         built.parallel.on_failure(lambda reason: loop.fail(f"tensor parallel worker failed: {reason}"))

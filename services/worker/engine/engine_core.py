@@ -132,10 +132,13 @@ class EngineCore:
         now = time.monotonic()
         self.load_stats.record(plan.scheduled, now - started)
         updates = self.scheduler.update_from_output(plan, results, now)
-        outputs = [self._output(r, new_tokens, results[r.request_id]) for r, new_tokens in updates]
-        for r, _ in updates:   # after every output: siblings may finish in the same step
+        outputs, done, output = [], [], self._output
+        for r, new_tokens in updates:
+            outputs.append(output(r, new_tokens, results[r.request_id]))
             if r.finished:
-                self._forget_if_done(r)
+                done.append(r)
+        for r in done:   # after every output: siblings may finish in the same step
+            self._forget_if_done(r)
         self._propose()
         return outputs
 
@@ -174,10 +177,11 @@ class EngineCore:
         if result is not None and result.logprobs is not None:
             logprobs = result.logprobs[:len(new_tokens)]
             tops = result.top_logprobs[:len(new_tokens)] if result.top_logprobs is not None else None
+        status, cached = r.status, r.num_cached_tokens   # plain reads: this runs per choice per step
         return EngineCoreOutput(
             r.request_id, r.parent_id or r.request_id, r.index, new_tokens, logprobs, tops,
-            r.status.value if r.finished else None, r.num_prompt_tokens, max(0, r.num_cached_tokens),
-            r.num_output_tokens, r.spec_proposed, r.spec_accepted,
+            status.value if status.finished else None, len(r.prompt_token_ids), cached if cached > 0 else 0,
+            len(r.output_token_ids), r.spec_proposed, r.spec_accepted,
             (r.first_scheduled_time or r.arrival_time) - r.arrival_time)
 
     def _forget_if_done(self, r: Request) -> None:
@@ -193,9 +197,13 @@ class EngineCore:
         which)."""
         if self.proposer is None and not self.drafts_in_step:
             return
+        default = self.num_speculative_tokens
         for r in self.scheduler.running:
             k = r.params.num_speculative_tokens
-            k = self.num_speculative_tokens if k is None else k
+            if k is None:
+                k = default
+            if k <= 0:   # no speculation for it (the default when none is configured)
+                continue
             k = min(k, r.max_tokens - r.num_output_tokens - 1, self.limits.max_model_len - r.num_tokens - 1)
             if k > 0 and r.num_computed_tokens == r.num_tokens - 1:
                 k = r.draft_length.next_k(k)

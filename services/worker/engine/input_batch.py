@@ -53,6 +53,8 @@ class InputBatch:
         self.num_blocks = np.zeros(rows, np.int64)
         self._sampling: list[SamplingRow | None] = [None] * rows
         self._constrained = [False] * rows
+        self._seeded: set[int] = set()        # rows whose sampling row has a generator
+        self._num_constrained = 0             # rows sampled under a grammar
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -101,12 +103,18 @@ class InputBatch:
             output_token_ids=new.token_ids[new.num_prompt_tokens:], generator=new.generator,
             eos_token_ids=new.eos_token_ids)
         self._constrained[row] = new.constrained
+        self._num_constrained += new.constrained
+        if new.generator is not None:
+            self._seeded.add(row)
         return row
 
     def _remove(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             self._sampling[row] = None
+            self._num_constrained -= self._constrained[row]
+            self._constrained[row] = False
+            self._seeded.discard(row)
             self._free.append(row)
 
     def _write_blocks(self, row: int, start: int, block_ids: list[int]) -> None:
@@ -142,6 +150,21 @@ class InputBatch:
         output = list(base.output_token_ids) + list(extra_output) if extra_output else base.output_token_ids
         return SamplingRow(base.params, base.prompt_token_ids, output, base.generator, base.eos_token_ids,
                            grammar_bias)
+
+    def sampling_rows(self, rows: list[int]) -> list[SamplingRow] | None:
+        """The rows' sampling settings when none of the batch's rows is constrained (else None:
+        ask sampling_row per row, with its grammar's bias)."""
+        if self._num_constrained:
+            return None
+        sampling = self._sampling
+        return [sampling[row] for row in rows]
+
+    def generators(self, rows: list[int]) -> list:
+        """The seeded generators of the rows, in row order."""
+        if not self._seeded:
+            return []
+        seeded, sampling = self._seeded, self._sampling
+        return [sampling[row].generator for row in rows if row in seeded]
 
     def constrained(self, row: int) -> bool:
         return self._constrained[row]

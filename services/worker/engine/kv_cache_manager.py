@@ -29,6 +29,9 @@ class PrefixCacheStats:
     hits: int = 0      # of which found in the cache
 
 
+_NO_BLOCKS: list[KVBlock] = []   # shared, never changed: a request holding no blocks
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
                  sliding_window: int | None = None) -> None:
@@ -87,12 +90,14 @@ class KVCacheManager:
         unverified speculative tokens) are registered in the prefix cache.
         Returns False, changing nothing, when the pool has too few free blocks.
         """
-        blocks = self._blocks.get(request.request_id, [])
+        rid = request.request_id
+        blocks = self._blocks.get(rid, _NO_BLOCKS)
         end = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        cache_end = min(end, num_tokens_to_cache if num_tokens_to_cache is not None else end)
+        cache_end = end if num_tokens_to_cache is None or num_tokens_to_cache > end else num_tokens_to_cache
         if blocks and end <= len(blocks) * self.block_size and not cached and self.sliding_window is None:
-            # A step inside the blocks it holds (most decodes): at most a registration to make.
-            if self.enable_prefix_caching:
+            # A step inside the blocks it holds (most decodes): at most a registration to make,
+            # when it fills a block not registered yet.
+            if self.enable_prefix_caching and cache_end // self.block_size > self._num_registered.get(rid, 0):
                 self._register_full_blocks(request, cache_end)
             return True
         n = max(0, -(-end // self.block_size) - len(blocks) - len(cached))

@@ -32,7 +32,7 @@ from services.worker.spec.rejection import rejection_sample, verify_greedy
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     token_ids: list[int]                                   # 1 token, or the accepted drafts + 1
     logprobs: list[float] | None = None
@@ -155,7 +155,7 @@ class ModelRunner:
         step leaves the seeded generators as they were, so a request run again draws the same
         numbers (and the requests it ran leave the batch: the scheduler aborts or requeues them)."""
         rows = self.batch.update(plan)
-        generators = [g for g in (self.batch.sampling_row(row).generator for row in rows.tolist()) if g is not None]
+        generators = self.batch.generators(rows.tolist())
         states = [g.get_state() for g in generators]
         try:
             return self._execute(plan, rows, masks or StepMasks())
@@ -220,9 +220,11 @@ class ModelRunner:
             offset += k + 1
         if plain:
             batch = self.batch
-            sampling = [batch.sampling_row(row, grammar_bias=_first(masks.get(item.request, [])))
-                        if batch.constrained(row) else batch.sampling_row(row)
-                        for item, row in zip(plain, plain_rows)]
+            sampling = batch.sampling_rows(plain_rows)
+            if sampling is None:   # some row of the batch is constrained
+                sampling = [batch.sampling_row(row, grammar_bias=_first(masks.get(item.request, [])))
+                            if batch.constrained(row) else batch.sampling_row(row)
+                            for item, row in zip(plain, plain_rows)]
             plain_logits = logits if len(plain) == logits.shape[0] else logits[plain_logit_rows]   # no copy when all
             try:
                 out = self.sampler.sample(plain_logits, sampling)

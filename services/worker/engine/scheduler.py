@@ -134,9 +134,10 @@ class Scheduler:
         self.kv.begin_step()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        running, scheduled, allocate = self.running, out.scheduled, self.kv.allocate
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             num_tokens, num_computed = len(request.all_token_ids), request.num_computed_tokens
             num_spec = request.num_spec_tokens if num_computed == num_tokens - 1 else 0
             num_new = num_tokens + num_spec - num_computed
@@ -144,22 +145,22 @@ class Scheduler:
                 num_new = budget
             if num_spec:
                 num_spec = max(0, min(num_spec, num_new - 1))
-            while not self.kv.allocate(request, num_new, num_tokens_to_cache=num_tokens):
-                victim = self.running.pop()
+            while not allocate(request, num_new, num_tokens_to_cache=num_tokens):
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, num_new, num_spec))
+                scheduled.append(self._scheduled(request, num_new, num_spec))
                 budget -= num_new
                 i += 1
                 continue
             break
         if not out.preempted:   # else the pool is full: admitting now would only preempt again
             self._admit(out, budget)
-        self.waiting.charge(out.scheduled)
-        if out.scheduled:   # a plan with nothing scheduled never reaches the runner
+        self.waiting.charge(scheduled)
+        if scheduled:   # a plan with nothing scheduled never reaches the runner
             out.finished_ids, self._left = self._left, []
         return out
 
@@ -183,10 +184,14 @@ class Scheduler:
         """The request's entry in the plan, and the runner's view of its table brought up to date."""
         rid = request.request_id
         block_ids = self.kv.block_ids(rid)
-        sent = self._sent_blocks.get(rid)
-        self._sent_blocks[rid] = len(block_ids)
+        sent_blocks = self._sent_blocks
+        sent = sent_blocks.get(rid)
+        num_blocks = len(block_ids)
         if sent is None:
+            sent_blocks[rid] = num_blocks
             return ScheduledRequest(request, num_new, num_spec, block_ids, new=NewRequest.of(request))
+        if sent != num_blocks:
+            sent_blocks[rid] = num_blocks
         return ScheduledRequest(request, num_new, num_spec, block_ids, block_start=0 if self._whole_tables else sent)
 
     def update_from_output(self, out: SchedulerOutput, results: dict[str, StepResult],
@@ -195,15 +200,16 @@ class Scheduler:
         request takes its accepted tokens up to the first that stops it, and a finished one leaves.
         -> (request, the tokens it took) per request that sampled."""
         updates = []
+        append = updates.append
         for item in out.scheduled:
             r = item.request
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-            r.num_computed_tokens += item.num_new_tokens
-            result = results.get(r.request_id)
+            result = results.get(item.request_id)
             if result is None:
+                r.num_computed_tokens += item.num_new_tokens
                 continue                       # a prefill chunk: nothing sampled yet
-            r.num_computed_tokens -= result.num_rejected
+            r.num_computed_tokens += item.num_new_tokens - result.num_rejected
             r.draft_lag = result.draft_lag
             if item.num_spec_tokens:
                 accepted = len(result.token_ids) - 1
@@ -215,6 +221,15 @@ class Scheduler:
             if r.first_token_time is None:
                 r.first_token_time = now
             tokens = result.token_ids
+            if len(tokens) == 1:               # most steps: one token, no drafts
+                token = tokens[0]
+                r.output_token_ids.append(token)
+                r.all_token_ids.append(token)
+                status = check_stop(r, token)
+                if status is not None:
+                    self.finish(r, status)
+                append((r, tokens))
+                continue
             for j, token in enumerate(tokens):
                 r.output_token_ids.append(token)
                 r.all_token_ids.append(token)
@@ -223,7 +238,7 @@ class Scheduler:
                     self.finish(r, status)
                     tokens = tokens[:j + 1]
                     break
-            updates.append((r, tokens))
+            append((r, tokens))
         return updates
 
     def set_draft(self, request: Request, num_spec_tokens: int, token_ids: list[int]) -> None:

@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 
 def check_stop(request: Request, token: int) -> RequestStatus | None:
     """After request.append_output(token): the status it finishes with, or None to go on."""
+    if request.matcher is None:   # most requests: token stops only
+        return _check_token_stop(request, token)
     # Both run: the matcher must consume the token even when the token alone is a stop.
     grammar, stop = _check_grammar(request, token), _check_token_stop(request, token)
     return grammar or stop
@@ -33,10 +35,11 @@ def _check_grammar(request: Request, token: int) -> RequestStatus | None:
 
 def _check_token_stop(request: Request, token: int) -> RequestStatus | None:
     p = request.params
-    if request.num_output_tokens >= p.min_tokens:
+    num_output = len(request.output_token_ids)
+    if num_output >= p.min_tokens:
         if (token in request.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens:
+    if num_output >= request.max_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None
