@@ -13,6 +13,7 @@ compile_grammar, fail_streams.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 import logging
 import queue
 import threading
@@ -24,6 +25,7 @@ from services.worker.engine.core_protocol import EngineDead, EngineLimits
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.llm_engine import EngineStats, LLMEngine
 from services.worker.engine.output_processor import RequestOutput
+from services.worker.engine.output_stream import outputs_until_finished
 from services.worker.engine.sampling_params import Constraint, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -95,19 +97,15 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, share))
-        remaining = params.n
-        try:
-            while remaining:
-                item = await outputs.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
+
+        def abort() -> None:
+            self._commands.put(_Abort(request_id))
+        try:   # aclosing: a caller that leaves early aborts now, not when the generator is collected
+            async with aclosing(outputs_until_finished(outputs, params.n, abort)) as items:
+                async for item in items:
+                    yield item
         finally:
             self._streams.pop(request_id, None)
-            if remaining:
-                self._commands.put(_Abort(request_id))
 
     # -- engine thread ---------------------------------------------------------------------
 

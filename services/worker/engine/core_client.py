@@ -15,6 +15,7 @@ open stream ends with EngineDead at once, later calls raise it, and on_dead tell
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 import dataclasses
 import itertools
 import json
@@ -40,6 +41,7 @@ from services.worker.engine.core_protocol import (EngineDead, EngineLimits, Engi
                                                   validate_request)
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.output_processor import OutputProcessor, RequestOutput
+from services.worker.engine.output_stream import outputs_until_finished
 from services.worker.engine.sampling_params import Constraint, SamplingParams
 from services.worker.model.tokenizer import Tokenizer
 
@@ -167,22 +169,17 @@ class EngineCoreClient:
         self._core_ids[core_id] = request_id
         self.processor.add_request(core_id, prompt_token_ids, params, output_id=request_id)
         self._send(["add", core_id, prompt_token_ids, params_to_wire(params), cache_salt, share_to_wire(share)])
-        remaining = params.n
-        try:
-            while remaining:
-                item = await outputs.get()
-                if isinstance(item, Exception):
-                    remaining = 0   # nothing to abort: the core refused it or is gone
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
+
+        def abort() -> None:
+            self.processor.abort(core_id)
+            self._send(["abort", [core_id], "abort"])
+        try:   # aclosing: a caller that leaves early aborts now, not when the generator is collected
+            async with aclosing(outputs_until_finished(outputs, params.n, abort)) as items:
+                async for item in items:
+                    yield item
         finally:
             self._streams.pop(request_id, None)
             self._core_ids.pop(core_id, None)
-            if remaining:
-                self.processor.abort(core_id)
-                self._send(["abort", [core_id], "abort"])
 
     # -- the core's messages -----------------------------------------------------------------
 
