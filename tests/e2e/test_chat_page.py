@@ -51,7 +51,7 @@ def test_chat_page_streams_and_resumes_after_reload(chromium: Browser, platform:
         messages = page.locator("article.message")
         expect(messages).to_have_count(2)
         expect(messages.nth(0).locator(".body")).to_have_text(FIRST)
-        expect(messages.nth(1).locator(".body")).to_have_text(shown)
+        expect(messages.nth(1).locator(".body")).to_have_text(shown, use_inner_text=True)   # as `shown` was read: paragraphs apart
         expect(page.locator("#conversations li.current")).to_have_attribute("data-id", conversation_id)
         expect(page.locator("#model")).to_have_value(model)
         expect(page.locator("#max-tokens")).to_have_value(str(MAX_TOKENS))
