@@ -17,12 +17,15 @@ absorbing a burst, but only ttft_target_s in a standing queue (every newcomer ha
 queue_timeout_s on end; it lasts until nobody has been refused for as long) if its organization
 holds slots already and the fair order does not need a waiter of it: under sustained overload,
 waiting longer only makes every first token late (Facebook's controlled-delay queues, "Fail at
-Scale", use the same two bounds). A newcomer whose estimated wait (its place in that order x the
-mean time a stream holds its slot / the limit) exceeds its bound, or who finds the queue full, is
-refused at once with that estimate as Retry-After. The estimate of everyone waiting is renewed
-whenever it can change (a slot freed, a new report, a newcomer placed ahead by the fair order): a
-waiter who can no longer be admitted within its bound is refused then, not when the bound runs
-out. Nothing reaches the upstream before admission, so a refused request costs the pool nothing.
+Scale", use the same two bounds). A newcomer whose estimated wait exceeds its bound, or who finds
+the queue full, is refused at once with that estimate as Retry-After. The wait is read off the
+streams in flight (admission/slot_release.py): each is expected to end at its grant + its answer
+budget at the measured speed, and a waiter whose turn needs n slots freed waits for the n-th end
+(a replay of _wake on those ends), not n x the mean hold / the limit. The estimate of everyone
+waiting is renewed whenever it can change (a slot freed, a new report, a newcomer placed ahead by
+the fair order): a waiter who can no longer be admitted within its bound is refused then, not when
+the bound runs out. Nothing reaches the upstream before admission, so a refused request costs the
+pool nothing.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ import math
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Mapping, Sequence
 
 from llmserve.v1 import worker_pb2
 from services.gateway.admission.estimator import Estimate, PoolEstimator
 from services.gateway.admission.fair_queue import FairQueue, Waiter, token_cost
 from services.gateway.admission.metrics import AdmissionMetrics
+from services.gateway.admission.slot_release import Slot, SlotReleases
 from services.gateway.config import OverloadConfig
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
@@ -56,24 +60,26 @@ class Ticket:
     model: str
     org: str
     prompt_tokens: int
+    admitted_at: float
     estimate: Estimate | None = None
-    admitted_at: float = field(default_factory=time.monotonic)
     _guard: "OverloadGuard | None" = None
 
     def first_token(self) -> None:
         if self.estimate is not None and self._guard is not None:
-            actual = time.monotonic() - self.admitted_at
+            actual = self._guard.clock() - self.admitted_at
             self._guard.metrics.ttft_ratio.labels(model=self.model).observe(actual / max(1e-3, self.estimate.ttft_s))
             self.estimate = None
 
 
 class _ModelGate:
-    """Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed."""
+    """Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed;
+    releases holds one Slot for each of them."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.in_flight = 0
         self.queue = FairQueue()
+        self.releases = SlotReleases()
         self.pool = PoolEstimator()
         self.since_report: list[int] = []     # prompt tokens admitted here since the pool's last report
         self.org_in_flight: Counter[str] = Counter()
@@ -85,8 +91,9 @@ class _ModelGate:
 
 
 class OverloadGuard:
-    def __init__(self, cfg: OverloadConfig, metrics: GatewayMetrics):
+    def __init__(self, cfg: OverloadConfig, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic):
         self._cfg = cfg
+        self.clock = clock            # monotonic seconds; tests pass a virtual clock
         self._metrics = metrics
         self.metrics = AdmissionMetrics(metrics.registry)
         self._gates: dict[str, _ModelGate] = {}
@@ -139,8 +146,14 @@ class OverloadGuard:
 
     # -- decisions ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _spare(gate: _ModelGate) -> int:
+        """The slots past the limit that an organization with nothing in flight may take: a quarter
+        of it, at least one."""
+        return max(1, gate.limit // 4)
+
     def _fits(self, gate: _ModelGate, org: str) -> bool:
-        if gate.org_in_flight[org] == 0 and gate.in_flight < gate.limit + max(1, gate.limit // 4):
+        if gate.org_in_flight[org] == 0 and gate.in_flight < gate.limit + self._spare(gate):
             return True
         if gate.in_flight >= gate.limit:
             return False
@@ -148,24 +161,40 @@ class OverloadGuard:
             return True
         return gate.pool.queue_delay_s(sum(gate.since_report)) <= self._cfg.ttft_target_s
 
-    def estimated_wait_s(self, model: str, ahead: int) -> float | None:
-        """When a request with `ahead` others before it in the queue would be admitted: its turn for
-        a slot, and the prompts queued in the pool past the TTFT target (None until a stream of the
-        model has ended or been estimated here)."""
+    def estimated_wait_s(self, model: str, ahead: int, org: str = "") -> float | None:
+        """When a request of `org` behind the first `ahead` waiters of the fair order (at most all of
+        them) would be admitted."""
         gate = self._gate(model)
-        hold = gate.hold_s or gate.expected_hold_s
-        if not hold:
-            return None
-        turn = (ahead + 1) * hold / max(1, gate.limit)
-        if not self._cfg.follow_pool_load:
-            return turn
-        return turn + max(0.0, gate.pool.queue_delay_s(sum(gate.since_report)) - self._cfg.ttft_target_s)
+        order = self._live_order(gate)
+        return self._waits(gate, [(w.org, w.answer_tokens) for w in order[:ahead]] + [(org, 0)])[-1]
 
-    def _grant(self, model: str, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int) -> None:
+    @staticmethod
+    def _live_order(gate: _ModelGate) -> list[Waiter]:
+        """The waiters in the order _wake would admit them (a cancelled one is skipped there)."""
+        return [w for w in gate.queue.ordered() if not w.future.done()]
+
+    def _waits(self, gate: _ModelGate, turn: list[tuple[str, int]]) -> list[float | None]:
+        """How long each request of `turn` ((organization, answer budget), in the fair order) would
+        wait: until the slot release that lets it fit, replayed on the in-flight streams' expected
+        ends (admission/slot_release.py), plus the prompts queued in the pool past the TTFT target.
+        None while a hold it needs is unknown (before a stream of the model ended or was estimated
+        here)."""
+        mean_hold = gate.hold_s or gate.expected_hold_s or None
+        granted = gate.releases.admissions(self.clock(), turn, gate.limit, self._spare(gate), mean_hold)
+        if granted is None:
+            return [None] * len(turn)
+        if not self._cfg.follow_pool_load:
+            return list(granted)
+        backlog = max(0.0, gate.pool.queue_delay_s(sum(gate.since_report)) - self._cfg.ttft_target_s)
+        return [at + backlog for at in granted]
+
+    def _grant(self, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int,
+               answer_tokens: int) -> Slot:
         gate.in_flight += 1
         gate.org_in_flight[org] += 1
         gate.queue.charge(org, cost, weight)
         gate.since_report.append(prompt_tokens)
+        return gate.releases.take(org, self.clock(), answer_tokens)
 
     def wait_bound_s(self, model: str, org: str = "") -> float:
         """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a
@@ -179,7 +208,7 @@ class OverloadGuard:
         has had to wait for queue_timeout_s on end, and until nobody has been refused for
         queue_timeout_s (under the short bound the queue empties between arrivals, so its
         emptiness does not say the overload is over)."""
-        cfg, gate, now = self._cfg, self._gate(model), time.monotonic()
+        cfg, gate, now = self._cfg, self._gate(model), self.clock()
         if gate.contended_since is not None and now - gate.contended_since >= cfg.queue_timeout_s:
             gate.standing = True
         elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
@@ -196,25 +225,28 @@ class OverloadGuard:
             gate.queue.pop()
             if waiter.future.done():
                 continue
-            self._grant(model, gate, waiter.org, waiter.cost, waiter.weight, waiter.prompt_tokens)
-            waiter.future.set_result(None)
+            waiter.future.set_result(self._grant(gate, waiter.org, waiter.cost, waiter.weight, waiter.prompt_tokens,
+                                                 waiter.answer_tokens))
         if not len(gate.queue) and gate.in_flight < gate.limit:
             gate.contended_since = None
         self._expire(model, gate)
 
     def _expire(self, model: str, gate: _ModelGate) -> None:
-        """Refuses, now, each waiter whose renewed estimate puts its admission past its deadline."""
-        now, ahead = time.monotonic(), 0
-        for waiter in gate.queue.ordered():
-            estimate = self.estimated_wait_s(model, ahead)
-            if waiter.future.done() or estimate is None or now + estimate <= waiter.deadline:
-                ahead += 1
-                continue
+        """Refuses, now, each waiter whose renewed estimate puts its admission past its deadline; the
+        first such in the fair order first, as those behind it move up once it leaves."""
+        now = self.clock()
+        while True:
+            order = self._live_order(gate)
+            waits = self._waits(gate, [(w.org, w.answer_tokens) for w in order])
+            late = next(((w, e) for w, e in zip(order, waits) if e is not None and now + e > w.deadline), None)
+            if late is None:
+                return
+            waiter, estimate = late
             gate.queue.discard(waiter)
             waiter.future.set_exception(self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate))
 
     def _refusal(self, model: str, org: str, why: str, retry_s: float | None) -> Overloaded:
-        self._gate(model).refused_at = time.monotonic()
+        self._gate(model).refused_at = self.clock()
         self._metrics.overload_refusals.labels(model=model).inc()
         self.metrics.decisions.labels(model=model, organization=org, decision="refused").inc()
         retry_s = max(0.001, retry_s if retry_s is not None else self._cfg.retry_after_s)
@@ -229,26 +261,29 @@ class OverloadGuard:
         """Holds one of the model's slots while the body runs. Raises Overloaded (nothing held)."""
         cfg = self._cfg
         gate = self._gate(model)
-        cost = token_cost(prompt_tokens, max_tokens or cfg.default_output_tokens)
+        answer_tokens = max_tokens or cfg.default_output_tokens
+        cost = token_cost(prompt_tokens, answer_tokens)
         gate.queue.join(org)
         try:
             if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org):
                 if gate.in_flight < gate.limit:
                     gate.contended_since = None     # a free slot: no standing queue
-                self._grant(model, gate, org, cost, weight, prompt_tokens)
+                slot = self._grant(gate, org, cost, weight, prompt_tokens, answer_tokens)
                 self.metrics.decisions.labels(model=model, organization=org, decision="admitted").inc()
             else:
                 if gate.contended_since is None:
-                    gate.contended_since = time.monotonic()
-                await self._queue(model, gate, Waiter(org, weight, priority, cost, prompt_tokens=prompt_tokens))
+                    gate.contended_since = self.clock()
+                slot = await self._queue(model, gate, Waiter(org, weight, priority, cost, prompt_tokens=prompt_tokens,
+                                                             answer_tokens=answer_tokens))
         except BaseException:
             gate.queue.leave(org)
             raise
-        ticket = Ticket(model, org, prompt_tokens, _guard=self)
+        ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self)
         running = max(gate.pool.state.running, gate.in_flight - 1)   # the report also sees other replicas'
         ticket.estimate = gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:-1]))
         if ticket.estimate is not None:
-            hold = ticket.estimate.ttft_s + (max_tokens or cfg.default_output_tokens) / ticket.estimate.tokens_per_s
+            hold = ticket.estimate.ttft_s + answer_tokens / ticket.estimate.tokens_per_s
+            slot.predicted_hold_s = hold
             gate.expected_hold_s = hold if not gate.expected_hold_s else \
                 gate.expected_hold_s + HOLD_ALPHA * (hold - gate.expected_hold_s)
             self.metrics.ttft_estimate.labels(model=model).observe(ticket.estimate.ttft_s)
@@ -258,23 +293,27 @@ class OverloadGuard:
         try:
             yield ticket
         finally:
-            held = time.monotonic() - ticket.admitted_at
+            held = self.clock() - ticket.admitted_at
             gate.hold_s = held if not gate.hold_s else gate.hold_s + HOLD_ALPHA * (held - gate.hold_s)
+            gate.releases.free(slot, self.clock())
             gate.in_flight -= 1
             self._forget(gate, org)
             gate.queue.leave(org)
             in_flight.set(gate.in_flight)
             self._wake(model, gate)
 
-    async def _queue(self, model: str, gate: _ModelGate, waiter: Waiter) -> None:
+    async def _queue(self, model: str, gate: _ModelGate, waiter: Waiter) -> Slot:
+        """The slot granted to `waiter` once its turn came; raises Overloaded (nothing held)."""
         cfg = self._cfg
         if len(gate.queue) >= cfg.max_queued_per_model:
-            raise self._refusal(model, waiter.org, "queue full", self.estimated_wait_s(model, len(gate.queue)))
+            raise self._refusal(model, waiter.org, "queue full",
+                                self.estimated_wait_s(model, len(gate.queue), waiter.org))
         bound = self.wait_bound_s(model, waiter.org)
-        started = time.monotonic()
+        started = self.clock()
         waiter.deadline = started + bound
         gate.queue.push(waiter)
-        estimate = self.estimated_wait_s(model, gate.queue.position(waiter))
+        order = self._live_order(gate)
+        estimate = self._waits(gate, [(w.org, w.answer_tokens) for w in order[:order.index(waiter) + 1]])[-1]
         if estimate is not None and estimate > bound:
             gate.queue.discard(waiter)
             raise self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate)
@@ -287,21 +326,23 @@ class OverloadGuard:
         except BaseException as e:
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
-                self._release_granted(model, gate, waiter.org)   # granted just as we gave up: hand it on
+                self._release_granted(model, gate, waiter.org, future.result())   # granted as we gave up: hand it on
             elif not future.done():
                 future.cancel()
             gate.queue.discard(waiter)
             if isinstance(e, TimeoutError):
                 raise self._refusal(model, waiter.org, "queue timeout",
-                                    self.estimated_wait_s(model, len(gate.queue))) from None
+                                    self.estimated_wait_s(model, len(gate.queue), waiter.org)) from None
             raise
         finally:
             queued.dec()
-        self.metrics.queue_wait.labels(model=model).observe(time.monotonic() - started)
+        self.metrics.queue_wait.labels(model=model).observe(self.clock() - started)
         if estimate is not None:
             self.metrics.queue_wait_estimate.labels(model=model).observe(estimate)
+        return waiter.future.result()
 
-    def _release_granted(self, model: str, gate: _ModelGate, org: str) -> None:
+    def _release_granted(self, model: str, gate: _ModelGate, org: str, slot: Slot) -> None:
+        gate.releases.free(slot, self.clock(), measured=False)
         gate.in_flight -= 1
         self._forget(gate, org)
         self._wake(model, gate)

@@ -162,20 +162,21 @@ async def test_fair_order_between_organizations_and_priority_classes():
 
 async def test_refusals_carry_retry_after_from_the_drain_estimate_and_cancelled_waiters_take_no_slot():
     g = guard(max_in_flight_per_model=2, min_in_flight_per_model=1, follow_pool_load=False, queue_timeout_s=0.3)
-    for _ in range(2):                           # streams of about 0.4 s: the mean hold is measured
+    for _ in range(2):                           # streams of about 0.6 s: the hold is measured
         async with g.admit("m"):
-            await asyncio.sleep(0.4)
+            await asyncio.sleep(0.6)
     async with contextlib.AsyncExitStack() as held:   # one organization: no slot past the limit
-        for _ in range(2):
-            await held.enter_async_context(g.admit("m"))
+        await held.enter_async_context(g.admit("m"))
+        await asyncio.sleep(0.35)
+        await held.enter_async_context(g.admit("m"))  # the two free their slots in 0.25 s and 0.6 s
         cancelled = asyncio.create_task(held.enter_async_context(g.admit("m")))
         await asyncio.sleep(0.02)
         cancelled.cancel()
         await asyncio.gather(cancelled, return_exceptions=True)
-        queued = asyncio.create_task(held.enter_async_context(g.admit("m")))   # 1 x 0.4 / 2: queued
+        queued = asyncio.create_task(held.enter_async_context(g.admit("m")))   # the first, in 0.23 s: queued
         await asyncio.sleep(0.02)
         started = time.monotonic()
-        with pytest.raises(Overloaded) as refused:   # one ahead: 2 x 0.4 / 2 = 0.4 s > the 0.3 s wait
+        with pytest.raises(Overloaded) as refused:   # one ahead: the second, in 0.56 s > the 0.3 s wait
             await held.enter_async_context(g.admit("m"))
         assert time.monotonic() - started < 0.05   # at once, not after the timeout
         assert "estimated wait" in refused.value.message

@@ -10,6 +10,7 @@ shortens the bound to the first-token target until refusals stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -84,22 +85,34 @@ def report(running: int, base: float, per_seq: float = 0.002) -> worker_pb2.Load
 
 
 async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with_retry_after():
+    clock = VirtualClock()
     g = OverloadGuard(OverloadConfig(max_in_flight_per_model=64, max_queued_per_model=64, queue_timeout_s=60.0,
-                                     stream_tokens_per_s=20.0, ttft_target_s=1.0), GatewayMetrics())
+                                     stream_tokens_per_s=20.0, ttft_target_s=1.0), GatewayMetrics(), clock=clock)
     g.set_pool({"m": [report(1, base=0.010)]})          # 20 streams at 20 tokens/s
-    g._gate("m").hold_s = 200.0                          # streams hold their slot 200 s
-    async with contextlib_stack(g, g.limit("m")):
+    async with g.admit("m", max_tokens=200):
+        clock.t += 200                                   # streams of 200 tokens hold their slot 200 s
+    async with contextlib.AsyncExitStack() as held:
+        for i in range(g.limit("m")):                    # one admitted every 10 s: they free their
+            clock.t += 10 if i else 0                    # slots 10, 20, ... 200 s from now
+            await held.enter_async_context(g.admit("m", max_tokens=200))
         waiter = asyncio.create_task(g.admit("m").__aenter__())
         await asyncio.sleep(0.01)
-        assert not waiter.done()                         # 200 s / 20 slots: 10 s, within 60 s
-        for _ in range(9):                               # the pool slows: 2 streams at 20 tokens/s
-            g.set_pool({"m": [report(1, base=0.040, per_seq=0.005)]})
-        assert g.limit("m") == 2
-        with pytest.raises(Overloaded) as refused:       # 200 s / 2 slots = 100 s: past the bound,
-            await asyncio.wait_for(waiter, 5)            # so refused now, long before the 60 s ran out
+        assert not waiter.done()                         # the next slot frees in 10 s, within 60 s
+        g.set_pool({"m": [report(1, base=0.040, per_seq=0.005)]})   # the pool slows: this line gives 2
+        assert g.limit("m") == 11                        # streams at 20 tokens/s, the median of two 11
+        with pytest.raises(Overloaded) as refused:       # 10 of the 20 must end first: 100 s, past the
+            await asyncio.wait_for(waiter, 5)            # bound, so refused now, long before the 60 s ran out
     retry_ms = int(refused.value.headers["retry-after-ms"])
     assert "estimated wait" in refused.value.message and retry_ms == pytest.approx(100_000, rel=0.01)
     assert refused.value.headers["Retry-After"] == "100"
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():

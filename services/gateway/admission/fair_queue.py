@@ -6,7 +6,9 @@ Inside a band every organization has a virtual token counter (Sheng et al., OSDI
 admitted request adds its tokens (prompt + OUTPUT_WEIGHT x expected answer) / the organization's
 weight, and the next admitted request is the oldest of the organization with the smallest counter.
 An organization that becomes active is lifted to the smallest counter of those active, so idle
-time is not banked; one with nothing queued or in flight is forgotten.
+time is not banked; one with nothing queued or in flight is forgotten. On equal counters the
+organization holding fewer slots goes first: a light one coming back is lifted to exactly a
+flood's counter, and by arrival alone it waited behind the flood's oldest waiter for the next slot.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Waiter:
     priority: int                  # lower first
     cost: float                    # tokens it will be charged when admitted
     prompt_tokens: int = 0
+    answer_tokens: int = 0         # its answer budget (max_tokens, or the default)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     arrival: int = 0
     deadline: float = 0.0          # time.monotonic() past which it is refused rather than admitted
@@ -76,11 +79,17 @@ class FairQueue:
         bisect.insort(self._orgs[waiter.org].queue, waiter, key=lambda w: (w.priority, w.arrival))
         self._size += 1
 
+    @staticmethod
+    def _held(entry: _Org) -> int:
+        """Its requests in flight: active ones not queued."""
+        return entry.active - len(entry.queue)
+
     def peek(self) -> Waiter | None:
         heads = [o.queue[0] for o in self._orgs.values() if o.queue]
         if not heads:
             return None
-        return min(heads, key=lambda w: (w.priority, self._orgs[w.org].counter, w.arrival))
+        return min(heads, key=lambda w: (w.priority, self._orgs[w.org].counter, self._held(self._orgs[w.org]),
+                                         w.arrival))
 
     def pop(self) -> Waiter:
         waiter = self.peek()
@@ -97,14 +106,16 @@ class FairQueue:
     def ordered(self) -> list[Waiter]:
         """The waiters in the order they would be admitted, each charging its organization as it goes."""
         counters = {name: o.counter for name, o in self._orgs.items()}
+        held = {name: self._held(o) for name, o in self._orgs.items()}
         heads = {name: 0 for name, o in self._orgs.items() if o.queue}
         order: list[Waiter] = []
         while heads:
-            name = min(heads, key=lambda n: (self._orgs[n].queue[heads[n]].priority, counters[n],
+            name = min(heads, key=lambda n: (self._orgs[n].queue[heads[n]].priority, counters[n], held[n],
                                              self._orgs[n].queue[heads[n]].arrival))
             head = self._orgs[name].queue[heads[name]]
             order.append(head)
             counters[name] += head.cost / head.weight
+            held[name] += 1
             heads[name] += 1
             if heads[name] == len(self._orgs[name].queue):
                 del heads[name]

@@ -1,0 +1,95 @@
+"""When a model's in-flight streams free their slots, so that a waiter's wait is read off them.
+
+Each granted slot remembers when it was granted and its answer budget (max_tokens, or the default).
+It is expected to be held for that budget at the seconds per budgeted token measured over this
+model's streams that ended here (which counts answers that stop before their budget), or, before
+any ended, for the pool's estimate at admission (first token + budget / per-stream speed), or else
+for the caller's mean hold. It frees at grant + that hold; an overdue one may free any moment (0 s).
+
+A waiter's wait is a replay of how overload.py's _wake hands out slots, on these expected releases:
+freed slots go to the waiters in the fair queue's order, the head taking one once it fits (under the
+limit, or the few spare slots past it for an organization with nothing in flight; _fits), and a slot
+granted to a waiter frees again after that waiter's own budget. So with the streams in flight
+ending in the order of their remaining times, the waiter whose turn needs n releases is admitted at
+the n-th of them. This replaces the fluid n x hold / limit, which spreads the releases evenly: at 2
+slots of 94 s it said 47 s for the next slot even when one stream was seconds from its end. The
+replay ignores what it cannot know: arrivals ahead of a waiter, limit changes, and the pool's
+prompt backlog (overload.py adds that separately).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+PER_TOKEN_ALPHA = 0.2    # weight of the newest ended stream in the seconds per budgeted token
+
+
+@dataclass(eq=False)
+class Slot:
+    org: str
+    granted_at: float
+    budget_tokens: int
+    predicted_hold_s: float | None = None   # the pool's estimate at admission (None: none made)
+
+
+class SlotReleases:
+    """One model's granted slots on this gateway replica."""
+
+    def __init__(self) -> None:
+        self._slots: set[Slot] = set()
+        self.s_per_token = 0.0     # measured seconds a slot is held per budgeted token (0: none ended)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def take(self, org: str, now: float, budget_tokens: int) -> Slot:
+        slot = Slot(org, now, max(1, budget_tokens))
+        self._slots.add(slot)
+        return slot
+
+    def free(self, slot: Slot, now: float, measured: bool = True) -> None:
+        """The slot's stream ended (measured: its hold teaches the speed; not for a grant handed back unused)."""
+        self._slots.discard(slot)
+        if measured:
+            sample = max(0.0, now - slot.granted_at) / slot.budget_tokens
+            self.s_per_token = sample if not self.s_per_token else \
+                self.s_per_token + PER_TOKEN_ALPHA * (sample - self.s_per_token)
+
+    def hold_s(self, budget_tokens: int, predicted_s: float | None, mean_hold_s: float | None) -> float | None:
+        """How long a stream of this budget holds its slot (None: nothing to tell)."""
+        if self.s_per_token:
+            return self.s_per_token * max(1, budget_tokens)
+        return predicted_s if predicted_s is not None else mean_hold_s
+
+    def admissions(self, now: float, turn: Sequence[tuple[str, int]], limit: int, spare: int,
+                   mean_hold_s: float | None) -> list[float] | None:
+        """Seconds from now at which each request of `turn` ((organization, answer budget), in the fair
+        order) is granted a slot, replaying _wake on the expected releases (see the module
+        docstring); None when a hold it needs is unknown."""
+        releases: list[tuple[float, int, str]] = []       # (seconds from now, tie-break, organization)
+        held: Counter[str] = Counter()
+        for slot in self._slots:
+            hold = self.hold_s(slot.budget_tokens, slot.predicted_hold_s, mean_hold_s)
+            if hold is None:
+                return None
+            releases.append((max(0.0, slot.granted_at + hold - now), len(releases), slot.org))
+            held[slot.org] += 1
+        heapq.heapify(releases)
+        at, granted = 0.0, []
+        for i, (org, budget) in enumerate(turn):
+            while len(releases) >= limit + (spare if not held[org] else 0):
+                if not releases:
+                    return None
+                at, _, gone = heapq.heappop(releases)
+                held[gone] -= 1
+            granted.append(at)
+            if i + 1 < len(turn):        # its own release matters only to those behind it
+                hold = self.hold_s(budget, None, mean_hold_s)
+                if hold is None:
+                    return None
+                heapq.heappush(releases, (at + hold, len(granted) + len(self._slots), org))
+                held[org] += 1
+        return granted

@@ -1,0 +1,178 @@
+"""A waiter's wait read off the in-flight streams (services/gateway/admission/slot_release.py),
+through the real OverloadGuard on a virtual clock: the n-th slot to free is the n-th smallest
+remaining time of the streams in flight, not n x hold / limit. A light organization beside a flood
+that holds every slot is queued, not refused, and admitted at the next release ahead of the
+flood's waiters; a request whose wait is past its bound is refused at once with the release it
+would have waited for as Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from llmserve.v1 import worker_pb2
+from services.gateway.admission.fair_queue import FairQueue, Waiter
+from services.gateway.config import OverloadConfig
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.overload import OverloadGuard, Overloaded
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def guard(clock: VirtualClock, **cfg) -> OverloadGuard:
+    return OverloadGuard(OverloadConfig(**{"follow_pool_load": False, "min_in_flight_per_model": 1,
+                                           "max_in_flight_per_model": 64, "max_queued_per_model": 64,
+                                           "queue_timeout_s": 30.0, "ttft_target_s": 1.0, **cfg}),
+                         GatewayMetrics(), clock=clock)
+
+
+async def measure_one_second_a_token(g: OverloadGuard, clock: VirtualClock, org: str) -> None:
+    """A stream of 100 tokens held its slot 100 s: the model's streams take 1 s a budgeted token."""
+    async with g.admit("m", org=org, prompt_tokens=50, max_tokens=100):
+        clock.t += 100
+
+
+async def hold(g: OverloadGuard, org: str, max_tokens: int):
+    cm = g.admit("m", org=org, prompt_tokens=50, max_tokens=max_tokens)
+    await cm.__aenter__()
+    return cm
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def decisions(g: OverloadGuard, org: str, decision: str) -> float:
+    return g.metrics.decisions.labels(model="m", organization=org, decision=decision)._value.get()
+
+
+async def test_a_light_organization_beside_a_flood_holding_every_slot_waits_for_the_next_release_and_goes_first():
+    clock = VirtualClock()
+    g = guard(clock, max_in_flight_per_worker=1)
+    g.set_workers({"m": 3})                                  # 3 slots
+    await measure_one_second_a_token(g, clock, "flood")
+    t0 = clock.t
+    s1 = await hold(g, "flood", 90)                          # frees at t0 + 90
+    clock.t = t0 + 5
+    s2 = await hold(g, "flood", 90)                          # t0 + 95
+    clock.t = t0 + 60
+    s3 = await hold(g, "flood", 90)                          # t0 + 150
+    g.set_workers({"m": 2})       # the limit falls to 2: the flood holds it and the spare slot past it
+    clock.t = t0 + 70
+    flood_waiter = asyncio.create_task(hold(g, "flood", 90))
+    await settle()
+    clock.t = t0 + 71
+    light = asyncio.create_task(hold(g, "light", 4))
+    await settle()
+    # The fluid estimate said 90 s / 2 slots = 45 s, past the 30 s bound, and refused both.
+    assert not light.done() and not flood_waiter.done()
+    assert decisions(g, "light", "queued") == 1 and decisions(g, "light", "refused") == 0
+    assert g.estimated_wait_s("m", 0, "light") == pytest.approx(19.0)    # the first release, at t0 + 90
+
+    clock.t = t0 + 90
+    await s1.__aexit__(None, None, None)
+    await settle()
+    assert light.done() and not flood_waiter.done()          # first at the next release, ahead of the flood
+    light_slot = light.result()
+    clock.t = t0 + 94
+    await light_slot.__aexit__(None, None, None)             # its 4 tokens streamed; the flood is back at 2
+    await settle()
+    assert not flood_waiter.done()
+    clock.t = t0 + 95
+    await s2.__aexit__(None, None, None)
+    await asyncio.wait_for(flood_waiter, 1)                  # then the flood's waiter, within its 30 s
+    for cm in (flood_waiter.result(), s3):
+        await cm.__aexit__(None, None, None)
+    assert decisions(g, "flood", "refused") == 0
+
+
+async def test_each_waiter_is_admitted_at_the_release_its_turn_needs_replayed_on_the_streams_in_flight():
+    clock = VirtualClock()
+    g = guard(clock, max_in_flight_per_model=4)
+    await measure_one_second_a_token(g, clock, "A")
+    now = clock.t + 20
+    async with contextlib.AsyncExitStack() as held:
+        for admitted, budget in ((now - 18, 30), (now - 15, 20), (now - 10, 60), (now - 10, 35)):
+            clock.t = admitted
+            await held.enter_async_context(g.admit("m", org="A", max_tokens=budget))
+        clock.t = now                                        # they free their slots in 12, 5, 50 and 25 s
+        waiters = []
+        for budget in (10, 100, 100, 100):
+            waiters.append(asyncio.create_task(hold(g, "A", budget)))
+            await settle()
+        assert not any(w.done() for w in waiters)            # all four within the 30 s bound
+        waits = [g.estimated_wait_s("m", k, "A") for k in range(5)]
+        # The first waiter takes the slot freed in 5 s and streams 10 tokens, so the third takes
+        # that one again at 15 s, before the stream that ends at 25 s. The fluid (k + 1) x hold / 4
+        # said 25, 50, 75, 100 s (a mean hold of 100 s).
+        assert waits == pytest.approx([5.0, 12.0, 15.0, 25.0, 50.0])
+        assert g.estimated_wait_s("m", 0, "B") == 0.0        # nothing in flight: a spare slot is free
+        assert g.estimated_wait_s("m", 4, "B") == pytest.approx(25.0)   # behind A's four: fits at once then
+        clock.t = now + 40                                   # three streams overdue: they end any moment
+        assert g.estimated_wait_s("m", 0, "A") == 0.0
+        assert g.estimated_wait_s("m", 3, "A") == pytest.approx(10.0)
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+
+def report(running: int = 1, base: float = 0.5, per_seq: float = 0.002) -> worker_pb2.LoadReport:
+    step = base + per_seq * running
+    return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=1 / step, step_time_s=step,
+                                 prefill_tokens_per_s=1000.0, max_num_seqs=64, decode_step_base_s=base,
+                                 decode_step_per_seq_s=per_seq)
+
+
+async def test_before_any_stream_ended_the_releases_come_from_the_pools_estimates_at_admission():
+    clock = VirtualClock()
+    g = guard(clock, follow_pool_load=True, max_in_flight_per_model=3, stream_tokens_per_s=1.0)
+    g.set_pool({"m": [report()]})                            # about 2 tokens/s a stream
+    async with contextlib.AsyncExitStack() as held:
+        ends = []
+        for budget in (100, 40, 70):
+            ticket = await held.enter_async_context(g.admit("m", org="A", prompt_tokens=10, max_tokens=budget))
+            ends.append(ticket.admitted_at + ticket.estimate.ttft_s + budget / ticket.estimate.tokens_per_s)
+            clock.t += 1
+        wait = g.estimated_wait_s("m", 0, "A")
+        assert wait == pytest.approx(min(ends) - clock.t)     # the 40-token stream's end, in about 19 s
+        assert 15 < wait < 22
+
+
+async def test_a_request_whose_next_release_is_past_its_bound_is_refused_at_once_with_that_release_as_retry_after():
+    clock = VirtualClock()
+    g = guard(clock, max_in_flight_per_model=4)
+    await measure_one_second_a_token(g, clock, "A")
+    async with contextlib.AsyncExitStack() as held:
+        for budget in (40, 45, 50, 60):
+            await held.enter_async_context(g.admit("m", org="A", max_tokens=budget))
+        with pytest.raises(Overloaded) as refused:           # the fluid 100 s / 4 = 25 s queued it
+            await asyncio.wait_for(held.enter_async_context(g.admit("m", org="A")), 1)
+        assert refused.value.status == 429 and "estimated wait 40.0s" in refused.value.message
+        assert refused.value.headers["Retry-After"] == "40" and refused.value.headers["retry-after-ms"] == "40000"
+        await held.enter_async_context(g.admit("m", org="B"))   # nothing in flight: the spare slot
+        clock.t += 5
+        with pytest.raises(Overloaded) as refused:           # every slot, the spare too: the first frees in 35 s
+            await asyncio.wait_for(held.enter_async_context(g.admit("m", org="C", max_tokens=16)), 1)
+        assert refused.value.headers["Retry-After"] == "35"
+
+
+async def test_on_equal_counters_the_organization_holding_fewer_slots_goes_first():
+    q = FairQueue()
+    for _ in range(3):                               # the flood holds three slots
+        q.join("flood")
+        q.charge("flood", 100.0, 1.0)
+    q.join("flood")
+    q.push(flood := Waiter("flood", 1.0, 0, 100.0))
+    q.join("light")                                  # lifted to the flood's counter: a tie
+    q.push(light := Waiter("light", 1.0, 0, 20.0))
+    assert q.counter("light") == q.counter("flood")
+    assert q.ordered() == [light, flood] and q.peek() is light   # by arrival alone the flood's went first
