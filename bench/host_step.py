@@ -6,14 +6,15 @@ processing the outputs. On a GPU that work either overlaps the device or caps th
 Each phase is timed by wrapping the engine's own entry points, so the same measurement runs
 against any version of the engine:
 - schedule: Scheduler.schedule;
-- prepare inputs: from ModelRunner.execute's start to the model's forward (or the decode graphs);
+- prepare inputs: from ModelRunner.submit's start (execute's, before overlap) to the model's
+  forward (or the decode graphs);
 - process outputs: the rest of the engine core's step (the scheduler's state update, token stops,
   the per-choice outputs, drafts for the next step); in a tree without an engine core (before
   issue 14's split), the rest of LLMEngine.step less the text processing;
 - front end: detokenization and stop strings (OutputProcessor.process; before the split,
   RequestOutputState.process), which run in the front end's process when the core has its own
   (engine.engine_process), so they are reported apart from the host total;
-- runner, other: the rest of ModelRunner.execute less the forward, the logits and the sampler
+- runner, other: the rest of ModelRunner.submit less the forward, the logits and the sampler
   (on this CPU mostly freeing the step's vocabulary-sized logits, which a GPU's caching
   allocator does in microseconds), reported apart.
 Times are the engine thread's CPU time (time.thread_time), so that other processes on a shared
@@ -99,9 +100,12 @@ def host_time_per_step(num_seqs: int, steps: int = 30, prompt_len: int = 32) -> 
         tune_gc()
     clock = PhaseClock()
     engine.scheduler.schedule = clock.timed("schedule", engine.scheduler.schedule)
-    engine.runner.execute = clock.timed("execute", engine.runner.execute)
-    engine.runner.model = _TimedModel(engine.runner.model, clock)
-    engine.runner.sampler.sample = clock.timed("device", engine.runner.sampler.sample)
+    runner, sampler = engine.runner, engine.runner.sampler
+    run_step = "submit" if hasattr(runner, "submit") else "execute"     # trees before overlap: execute
+    setattr(runner, run_step, clock.timed("execute", getattr(runner, run_step)))
+    runner.model = _TimedModel(runner.model, clock)
+    sample = "sample_on_device" if hasattr(sampler, "sample_on_device") else "sample"
+    setattr(sampler, sample, clock.timed("device", getattr(sampler, sample)))
     if getattr(engine.runner, "decode_graphs", None) is not None:
         graphs = engine.runner.decode_graphs
         graphs.run = clock.timed("device", graphs.run)

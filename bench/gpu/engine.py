@@ -8,6 +8,9 @@ Reports, in one run:
   output tokens/s (target >= 15,000 on one H200), tokens/s per stream (target >= 20), and the TTFT
   p95 of short prompts arriving while that load runs (target < 1 s);
 - transformers' generate on the same workload in static batches, as the peer;
+- overlap (async scheduling) on and off on a decode-heavy workload, and how many of the overlapped
+  steps' submissions synchronised with the device (torch.cuda.set_sync_debug_mode; target 0: a
+  submission that waits for the device leaves it idle while the host prepares the next step);
 - then the mixture-of-experts engine at random:qwen3-30b-a3b (bf16, Triton attention and fused
   MoE; all 128 experts resident): batch-1 decode step and 64 x (1000 in, 200 out) output tokens/s.
 
@@ -103,6 +106,39 @@ def transformers_peer(cfg, device, n: int, prompt_len: int, out_len: int, batch:
     return dict(tps=n * out_len / elapsed, seconds=elapsed)
 
 
+def overlap_rows(engine, device, n: int, prompt_len: int, out_len: int) -> list[tuple[str, str, str]]:
+    """The same workload with overlap on and off, on one engine; and the overlapped submissions
+    that synchronised (each a stall the overlap cannot hide)."""
+    core, runner = engine.core, engine.runner
+    submit, synced, submits = runner.submit, [], []
+
+    def watched(*args):
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return submit(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                submits.append(1)
+                synced.append(any("synchroniz" in str(w.message) for w in caught))
+    tps = {}
+    for overlap in (False, True):
+        core.async_scheduling = overlap
+        if overlap and device.type == "cuda":
+            runner.submit = watched
+        tps[overlap] = product_workload(engine, device, n, prompt_len, out_len, 0)["tps"]
+        runner.submit = submit
+    core.async_scheduling = False
+    rows = [(f"{n} x ({prompt_len} in, {out_len} out) without overlap: output tokens/s", f"{tps[False]:.0f}", ""),
+            ("the same with overlap (async scheduling)", f"{tps[True]:.0f} ({tps[True] / tps[False]:.2f}x)",
+             "> 1x")]
+    rows.append(("overlapped submissions that synchronised with the device",
+                 f"{sum(synced)} of {len(submits)}" if device.type == "cuda" else "not measured off CUDA", "0"))
+    return rows
+
+
 MOE_SHAPE, SMOKE_MOE_SHAPE = "qwen3-30b-a3b", "tiny-moe"
 
 
@@ -154,6 +190,7 @@ def main(argv=None) -> int:
     step_bytes = weight_bytes + kv_per_token * context
     util = step_bytes / per_step / bw
     load = product_workload(engine, device, n, prompt_len, out_len, n_short)
+    overlap = overlap_rows(engine, device, n, *((16, 8) if args.smoke else (128, 128)))
     peer = transformers_peer(cfg, device, n, prompt_len, out_len, hf_batch)
 
     rows = [
@@ -172,6 +209,7 @@ def main(argv=None) -> int:
     else:
         rows.append((f"transformers generate (static batches of {hf_batch})", f"{peer['tps']:.0f} tok/s", ""))
         rows.append(("ratio ours / transformers", f"{load['tps'] / peer['tps']:.2f}x", ""))
+    rows += overlap
     del built, engine, graphs    # the MoE engine below needs the memory
     gc.collect()
     if device.type == "cuda":

@@ -53,6 +53,10 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     num_threads: int = 0              # torch CPU threads; 0 leaves torch's default
+    # Overlap: schedule and prepare the next step while the device runs this one (engine_core.py).
+    # null: on for one CUDA device (where it hides the host's work), off elsewhere (a CPU computes
+    # while it prepares, so overlap only delays each output by a step).
+    async_scheduling: bool | None = None
     # Tensor parallelism over the devices of one machine (services/worker/parallel): the engine
     # runs on rank 0, every rank holds a shard of the model and of the KV cache. devices: one per
     # rank, comma-separated (empty: cuda:0..N-1 on a CUDA worker, the CPU over gloo otherwise).

@@ -79,7 +79,8 @@ def _greedy(engine, prompts: dict[str, tuple[list[int], int]]) -> dict[str, list
     return {rid: result.tokens for rid, result in results.items()}
 
 
-def test_engine_decodes_through_the_graph_path_token_for_token(triton_model, torch_model, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_decodes_through_the_graph_path_token_for_token(triton_model, torch_model, monkeypatch, overlap):
     shared = list(range(300, 340))          # two full blocks shared through the prefix cache
     prompts = {
         "a": (list(range(100, 105)), 3),
@@ -88,17 +89,18 @@ def test_engine_decodes_through_the_graph_path_token_for_token(triton_model, tor
         "d": (list(range(200, 217)), 9),
         "e": (list(range(400, 433)), 12),
     }
-    engine = _engine(triton_model, attention_backend="triton", cuda_graph_max_batch=4)
+    engine = _engine(triton_model, attention_backend="triton", cuda_graph_max_batch=4, async_scheduling=overlap)
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
-    steps = []
+    steps, fed = [], []
     run = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda *a: steps.append(len(a[0])) or run(*a))
+    monkeypatch.setattr(graphs, "run", lambda *a: steps.append(len(a[0])) or fed.append(a[3] is not None) or run(*a))
     got = _greedy(engine, prompts)
     expected = _greedy(_engine(torch_model, attention_backend="torch"), prompts)
     assert got == expected
     # Five decode rows exceed the largest bucket (eager); then 4, 3 (padded to 4), 2 and 1 replay.
     assert {4, 3, 2, 1} <= set(steps) and max(steps) == 4
+    assert any(fed) == overlap          # overlapped decode steps take their tokens on the device
     assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
 
 

@@ -37,14 +37,15 @@ def fail_once_in_layer(engine, layer: int = 15):
 
 
 def refuse_poisoned_rows(engine):
-    """The sampler raises on any batch holding a row of POISON_SEED, as a per-request fault would."""
-    sample = engine.runner.sampler.sample
+    """The sampler raises on any batch holding a row of POISON_SEED, as a per-request fault would
+    (sample_on_device: the runner's plain rows and Sampler.sample both go through it)."""
+    sample = engine.runner.sampler.sample_on_device
 
     def faulty(logits, rows):
         if any(row.params.seed == POISON_SEED for row in rows):
             raise RuntimeError("injected: this row's sampling state is unusable")
         return sample(logits, rows)
-    engine.runner.sampler.sample = faulty
+    engine.runner.sampler.sample_on_device = faulty
 
 
 def step(engine):
@@ -70,14 +71,15 @@ def test_a_failed_forward_leaves_no_unwritten_block_in_the_prefix_cache(smollm2,
     assert again.tokens == expected
 
 
-def test_a_failure_blamed_on_one_request_aborts_only_it(smollm2, tokenizer):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failure_blamed_on_one_request_aborts_only_it(smollm2, tokenizer, overlap):
     words = tokenizer.encode(LONG_TEXT)
     prompts = {f"r{i}": words[7 * i:7 * i + 20 + 9 * i] for i in range(4)}
     params = {rid: greedy(8 + i) for i, rid in enumerate(prompts)}
     params["r3"] = SamplingParams(temperature=1.0, seed=11, max_tokens=10)   # seeded: must draw the same
     requests = {rid: (ids, params[rid]) for rid, ids in prompts.items()}
     expected = run(make_engine(smollm2), requests)
-    engine = make_engine(smollm2)
+    engine = make_engine(smollm2, async_scheduling=overlap)
     start = engine.pool.num_free_blocks
     for rid, (ids, p) in requests.items():
         engine.add_request(rid, ids, p)
@@ -91,7 +93,11 @@ def test_a_failure_blamed_on_one_request_aborts_only_it(smollm2, tokenizer):
     engine.add_request("poisoned", words[:30], SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=5))
     refuse_poisoned_rows(engine)
     outputs = step(engine)                    # the poisoned request joins the batch and its row fails
-    assert [(o.request_id, o.finish_reason) for o in outputs] == [("poisoned", "abort")]
+    # Overlapped, the step that was in flight is applied first: its outputs come too.
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.finished or o.request_id == "poisoned"] \
+        == [("poisoned", "abort")]
+    assert len(outputs) == (1 + len(requests) if overlap else 1)
+    collect([o for o in outputs if o.request_id != "poisoned"])
     while engine.has_work():
         collect(step(engine))
     assert tokens == {rid: r.tokens for rid, r in expected.items()}

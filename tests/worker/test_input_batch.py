@@ -88,7 +88,7 @@ def test_prepare_gathers_tokens_positions_slots_and_the_rows_to_sample():
     assert step.slot_mapping.tolist() == [3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2, 5 * 4 + 0, 5 * 4 + 1]
     assert step.samples.tolist() == [False, True] and step.sample_index.tolist() == [4]
     assert step.block_tables.tolist() == [[7, 3, 9], [5, 0, 0]]
-    batch.append_one(rows[1:], [52])
+    batch.resolve(batch.append_placeholders(rows[1:]), [52])
     # Next step: a goes on (no new block), b decodes into a new block; a leaves after it.
     a.num_computed_tokens, b.all_token_ids, b.num_computed_tokens = 7, [50, 51, 52], 2
     plan = SchedulerOutput([_item(a, 2, [7, 3, 9], new=False, block_start=3),

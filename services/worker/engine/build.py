@@ -99,8 +99,12 @@ def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded
     # A proposer is always there, so a request can ask for speculation on a worker whose
     # default k is 0 (a draft model therefore keeps its cache up to date in every step).
     proposer = None if drafter else NgramProposer(engine_cfg.ngram_min, engine_cfg.ngram_max)
+    async_scheduling = engine_cfg.async_scheduling
+    if async_scheduling is None:
+        async_scheduling = device.type == "cuda" and parallel is None
     engine = LLMEngine(limits, runner, loaded.tokenizer, cfg.vocab_size, proposer=proposer,
-                       num_speculative_tokens=engine_cfg.num_speculative_tokens)
+                       num_speculative_tokens=engine_cfg.num_speculative_tokens,
+                       async_scheduling=async_scheduling)
     return BuiltEngine(engine, loaded, device, dtype, parallel)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.metadata import AttentionMetadata, block_table_array, slot_mapping
+from services.worker.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +83,23 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
-            block_tables: Sequence[Sequence[int]] | np.ndarray) -> torch.Tensor:
+            block_tables: Sequence[Sequence[int]] | np.ndarray,
+            feed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [n, vocab] of n decode rows: row i is token token_ids[i] at positions[i] of the
         sequence whose block table is block_tables[i] (lists, or the runner's batch's int32
-        [n, width] array, padded with block 0). The result is a view of a static buffer, valid
-        until the next run."""
+        [n, width] array, padded with block 0). feed: (rows, tokens) on the device that replace
+        those rows' token ids (a step in flight sampled them). The result is a view of a static
+        buffer, valid until the next run."""
         n = len(token_ids)
         size = next(s for s in self.sizes if s >= n)
         table = block_tables if isinstance(block_tables, np.ndarray) else block_table_array(block_tables)
         rows = np.empty((3, n), np.int64)
         rows[0], rows[1] = token_ids, positions
         rows[2] = slot_mapping(table, np.arange(n), rows[1], self.block_size)
-        self.rows[:, :n].copy_(torch.from_numpy(rows))
-        tables = torch.from_numpy(table)
+        self.rows[:, :n].copy_(to_device(rows, self.device))
+        if feed is not None:
+            self.rows[0].index_copy_(0, *feed)
+        tables = to_device(table, self.device)
         self.rows[:2, n:size] = 0
         self.rows[2, n:size] = PADDING_SLOT
         self.block_tables[:n, :tables.shape[1]].copy_(tables)

@@ -16,6 +16,12 @@ the worker's default, shortened by the adaptive draft length). The n-gram propos
 from token ids; a draft model in the runner drafts inside the next step, into the slots the
 scheduler reserves for k tokens.
 
+Overlap (async_scheduling, vLLM v1's async scheduling): the next step is scheduled and submitted
+while the device runs the one before, whose results are applied after (the runner feeds its
+tokens to the next step on the device). Outputs are the same as without it, one step later. A
+request whose next step needs the last token on the host (penalties, min_tokens, a grammar,
+speculation) turns it off while it is there: the step in flight is applied first.
+
 Constrained decoding: each constrained request (each of its n choices) holds its own grammar
 matcher, from a grammar compiled once per constraint (structured/compiler.py). A step's masks
 are computed on a helper thread while its forward pass runs; the matcher advances only over the
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -36,7 +43,7 @@ from services.worker.engine.core_protocol import (EngineCoreOutput, EngineLimits
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.load_stats import LoadStats
-from services.worker.engine.model_runner import ModelRunner, RequestStepError, StepResult
+from services.worker.engine.model_runner import ModelRunner, PendingStep, RequestStepError, StepResult
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -47,9 +54,16 @@ from services.worker.model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+class InFlight(NamedTuple):
+    plan: SchedulerOutput
+    pending: PendingStep
+    started: float
+
+
 class EngineCore:
     def __init__(self, limits: EngineLimits, runner: ModelRunner, tokenizer: Tokenizer,
-                 vocab_size: int, proposer=None, num_speculative_tokens: int = 0) -> None:
+                 vocab_size: int, proposer=None, num_speculative_tokens: int = 0,
+                 async_scheduling: bool = False) -> None:
         self.limits = limits
         self.runner = runner
         self.vocab_size = vocab_size
@@ -66,6 +80,9 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.load_stats = LoadStats()
+        self.async_scheduling = async_scheduling
+        self._in_flight: InFlight | None = None   # submitted, its results not applied yet
+        self._num_sync_choices = 0                 # unfinished choices that need every token on the host
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -91,6 +108,15 @@ class EngineCore:
             self._siblings[r.request_id] = r
             self.scheduler.add(r)
         self._requests[request_id] = siblings
+        if self._needs_host_tokens(params):
+            self._num_sync_choices += len(siblings)
+
+    def _needs_host_tokens(self, params: SamplingParams) -> bool:
+        """Whether a request's next step reads its last token on the host (so none may overlap)."""
+        k = params.num_speculative_tokens
+        return (params.constraint is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0
+                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                or self.drafts_in_step or (k if k is not None else self.num_speculative_tokens) > 0)
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -110,25 +136,40 @@ class EngineCore:
             self._forget_if_done(targets[0])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and submit a step; apply the results of the step before it, or (without
+        overlap) of this one. -> the outputs of the step applied."""
+        overlap = self.async_scheduling and not self._num_sync_choices
+        if self._in_flight is not None and not overlap:
+            return self._apply_in_flight()   # the next plan needs its tokens on the host
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return []
+            return self._apply_in_flight() if self._in_flight is not None else []
         started = time.monotonic()
         masks = StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
         failure = None
         try:
-            results = self.runner.execute(plan, masks)
+            pending = self.runner.submit(plan, masks)
         except Exception as error:
             failure = error
         finally:
             masks.wait()   # past the step, only the engine thread touches matchers
+        outputs = self._apply_in_flight() if self._in_flight is not None else []
         if failure is not None:
-            return self._recover(plan, failure)
+            return outputs + self._recover(plan, failure)
+        self._in_flight = InFlight(plan, pending, started)
+        if not overlap:
+            outputs += self._apply_in_flight()
+        return outputs
+
+    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+        plan, pending, started = self._in_flight
+        self._in_flight = None
+        results = self.runner.collect(pending)
         now = time.monotonic()
         self.load_stats.record(plan.scheduled, now - started)
         updates = self.scheduler.update_from_output(plan, results, now)
@@ -160,8 +201,11 @@ class EngineCore:
         """After a step that failed outside the forward pass (its state half updated): abort what
         was running so the engine stays usable."""
         log.exception("engine step failed; aborting running requests", exc_info=error)
+        in_flight = [item.request for item in self._in_flight.plan.scheduled] if self._in_flight else []
+        self._in_flight = None
+        self.runner.drop_in_flight()
         outputs = []
-        for r in list(self.scheduler.running):
+        for r in list(self.scheduler.running) + in_flight:
             outputs += self._abort_caller(r.parent_id or r.request_id)
         return outputs
 
@@ -174,7 +218,7 @@ class EngineCore:
 
     def _output(self, r: Request, new_tokens: list[int], result: StepResult | None) -> EngineCoreOutput:
         logprobs = tops = None
-        if result is not None and result.logprobs is not None:
+        if result is not None and result.logprobs is not None and r.params.logprobs:   # a batch computes them for all
             logprobs = result.logprobs[:len(new_tokens)]
             tops = result.top_logprobs[:len(new_tokens)] if result.top_logprobs is not None else None
         status, cached = r.status, r.num_cached_tokens   # plain reads: this runs per choice per step
@@ -191,6 +235,8 @@ class EngineCore:
             self._requests.pop(r.parent_id, None)
             for s in siblings:
                 self._siblings.pop(s.request_id, None)
+            if siblings and self._needs_host_tokens(siblings[0].params):
+                self._num_sync_choices -= len(siblings)
 
     def _propose(self) -> None:
         """How many draft tokens each decoding request verifies in the next step (and, n-gram,

@@ -5,7 +5,9 @@ One row per request the runner holds (rows are reused after a request leaves): i
 plan (scheduler.py) removes the requests that left, adds new ones whole and applies the diffs of
 the others (block ids appended since the runner last saw the table); the tokens the runner
 samples are appended here, since the scheduler accepts every one of them up to a stop, and a
-request that stopped leaves the batch at the next plan. A step's inputs are then gathered from
+request that stopped leaves the batch at the next plan. A token sampled on the device is appended
+as a placeholder the host fills in when it learns it; a step prepared meanwhile (overlap) is
+told which of its input tokens to take from the device (StepInputs.feed). A step's inputs are then gathered from
 the rows with a few numpy operations: no per-token Python and no live Request read.
 
 Invariant, checked every step: a row holds at least the tokens the plan schedules as known
@@ -35,11 +37,23 @@ class StepInputs(NamedTuple):
     block_tables: np.ndarray      # int32 [num seqs, widest table]
     samples: np.ndarray           # bool [num seqs]: the step reaches the last known token
     sample_index: np.ndarray | None   # int64: the token rows whose logits are sampled (None: all)
+    # Tokens of the step in flight this one reads (overlap): (their indices in input_ids, their
+    # indices in that step's sampled tokens); None when every input token is on the host.
+    feed: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def is_plain_decode(self) -> bool:
         """One known token a sequence, each sampled, nothing to verify."""
         return len(self.input_ids) == len(self.rows) and self.sample_index is None
+
+
+class PendingTokens(NamedTuple):
+    """Tokens a step sampled that the host does not know yet: placeholders at these rows and
+    positions, for the requests whose row generation is gens (a row that changed hands since
+    ignores them)."""
+    rows: np.ndarray
+    gens: np.ndarray
+    positions: np.ndarray
 
 
 class InputBatch:
@@ -51,6 +65,7 @@ class InputBatch:
         self.num_tokens = np.zeros(rows, np.int64)
         self.block_table = np.zeros((rows, blocks), np.int32)
         self.num_blocks = np.zeros(rows, np.int64)
+        self._gen = np.zeros(rows, np.int64)      # bumped when a row takes a request
         self._sampling: list[SamplingRow | None] = [None] * rows
         self._constrained = [False] * rows
         self._seeded: set[int] = set()        # rows whose sampling row has a generator
@@ -92,6 +107,7 @@ class InputBatch:
             self._grow_rows()
         row = self._free.pop()
         self._row_of[request_id] = row
+        self._gen[row] += 1
         n = len(new.token_ids)
         self._fit_tokens(n)
         self.token_ids[row, :n] = new.token_ids
@@ -111,6 +127,7 @@ class InputBatch:
     def _remove(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is not None:
+            self._gen[row] += 1   # its placeholders, if any, are no longer anyone's
             self._sampling[row] = None
             self._num_constrained -= self._constrained[row]
             self._constrained[row] = False
@@ -131,6 +148,7 @@ class InputBatch:
         self.num_tokens = _lengthen(self.num_tokens, new)
         self.block_table = _lengthen(self.block_table, new)
         self.num_blocks = _lengthen(self.num_blocks, new)
+        self._gen = _lengthen(self._gen, new)
         self._sampling += [None] * old
         self._constrained += [False] * old
         self._free += range(new - 1, old - 1, -1)
@@ -178,22 +196,35 @@ class InputBatch:
         self.num_tokens[row] = n + len(token_ids)
         self._sampling[row].output_token_ids.extend(token_ids)
 
-    def append_one(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """One token to each of the (distinct) rows."""
+    def append_placeholders(self, rows: np.ndarray) -> PendingTokens:
+        """One token to each of the (distinct) rows, not known yet: resolve() writes it. Until
+        then a step that reads it takes it from the device (prepare's feed)."""
         ends = self.num_tokens[rows]
         self._fit_tokens(int(ends.max()) + 1)
-        self.token_ids[rows, ends] = token_ids
+        self.token_ids[rows, ends] = 0
         self.num_tokens[rows] = ends + 1
+        return PendingTokens(rows, self._gen[rows], ends)
+
+    def resolve(self, pending: PendingTokens, token_ids: list[int]) -> None:
+        """The placeholders' tokens, now known, in place (rows still held by the same requests)."""
+        live = self._gen[pending.rows] == pending.gens
+        if live.all():
+            rows, positions, tokens = pending.rows, pending.positions, token_ids
+        else:
+            rows, positions = pending.rows[live], pending.positions[live]
+            tokens = [t for t, keep in zip(token_ids, live.tolist()) if keep]
+        self.token_ids[rows, positions] = tokens
         sampling = self._sampling
-        for row, token in zip(rows.tolist(), token_ids):
+        for row, token in zip(rows.tolist(), tokens):
             sampling[row].output_token_ids.append(token)
 
     # -- a step's inputs -----------------------------------------------------------------------
 
-    def prepare(self, plan: SchedulerOutput, rows: np.ndarray,
-                drafts: dict[str, list[int]]) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput, rows: np.ndarray, drafts: dict[str, list[int]],
+                in_flight: PendingTokens | None = None) -> StepInputs:
         """The step's inputs from the rows (update's result): known tokens from the batch, then
-        each request's drafts (drafts: request id -> the tokens it verifies)."""
+        each request's drafts (drafts: request id -> the tokens it verifies). in_flight: the
+        placeholders of the step still running, whose tokens this one reads on the device."""
         scheduled = plan.scheduled
         n = len(scheduled)
         starts = np.fromiter((s.start_position for s in scheduled), np.int64, n)
@@ -228,8 +259,22 @@ class InputBatch:
         if int(counts.sum()) != total:
             first = query_start_loc[1:].astype(np.int64) - counts
             sample_index = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+        feed = None if in_flight is None else self._feed(in_flight, token_rows, positions)
         return StepInputs(rows, input_ids, positions, slots, query_start_loc, query_lens, seq_lens, tables,
-                          samples, sample_index)
+                          samples, sample_index, feed)
+
+    def _feed(self, in_flight: PendingTokens, token_rows: np.ndarray,
+              positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Which input tokens are the in-flight step's placeholders, and which of its samples each is."""
+        source = np.full(len(self.num_tokens), -1, np.int64)
+        live = self._gen[in_flight.rows] == in_flight.gens
+        source[in_flight.rows[live]] = np.flatnonzero(live)
+        j = source[token_rows]
+        hit = j >= 0
+        hit[hit] = positions[hit] == in_flight.positions[j[hit]]
+        if not hit.any():
+            return None
+        return np.flatnonzero(hit), j[hit]
 
 
 def _widen(a: np.ndarray, columns: int) -> np.ndarray:

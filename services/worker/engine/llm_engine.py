@@ -24,8 +24,10 @@ from services.worker.model.tokenizer import Tokenizer
 
 class LLMEngine:
     def __init__(self, limits: EngineLimits, runner: ModelRunner, tokenizer: Tokenizer,
-                 vocab_size: int, proposer=None, num_speculative_tokens: int = 0) -> None:
-        self.core = EngineCore(limits, runner, tokenizer, vocab_size, proposer, num_speculative_tokens)
+                 vocab_size: int, proposer=None, num_speculative_tokens: int = 0,
+                 async_scheduling: bool = False) -> None:
+        self.core = EngineCore(limits, runner, tokenizer, vocab_size, proposer, num_speculative_tokens,
+                               async_scheduling)
         self.processor = OutputProcessor(tokenizer)
         self.tokenizer = tokenizer
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -23,10 +23,11 @@ import torch
 
 from services.worker.attention.metadata import AttentionMetadata, block_table_array, slot_mapping
 from services.worker.engine.decode_graphs import DecodeGraphs
-from services.worker.engine.input_batch import InputBatch, StepInputs
-from services.worker.engine.sampler import Sampler, SamplingRow
+from services.worker.engine.input_batch import InputBatch, PendingTokens, StepInputs
+from services.worker.engine.sampler import DeviceSample, Sampler, SamplingRow
 from services.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
 from services.worker.engine.structured.step_masks import StepMasks
+from services.worker.engine.transfer import to_device
 from services.worker.spec.rejection import rejection_sample, verify_greedy
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,16 @@ class Draft:
     probs [k, V], or None for a deterministic proposer (n-gram) or a greedy request."""
     token_ids: list[int]
     probs: torch.Tensor | None = None
+
+
+@dataclass
+class PendingStep:
+    """A submitted step: the results known on the host (verified drafts) and, for its plain rows,
+    the tokens still on their way from the device (sample) and where they go in the batch."""
+    results: dict[str, StepResult]
+    sample: DeviceSample | None = None
+    sampled_ids: list[str] = field(default_factory=list)   # the plain rows' requests, in sample order
+    tokens: PendingTokens | None = None
 
 
 class RequestStepError(RuntimeError):
@@ -107,7 +118,7 @@ def device_inputs(ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, que
     """A step's host arrays on the device, each copied once, and the attention metadata over them
     (the one place a forward's inputs are made)."""
     def on_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device)
+        return to_device(a, device)
     query_lens_cpu, seq_lens_cpu = query_lens.tolist(), seq_lens.tolist()
     meta = AttentionMetadata(
         query_start_loc=on_device(query_start_loc), seq_lens=on_device(seq_lens.astype(np.int32)),
@@ -139,6 +150,7 @@ class ModelRunner:
         self.drafter = drafter
         self.kv_caches = kv_cache_tensors(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
         self.batch = InputBatch(block_size)
+        self._in_flight: list[PendingStep] = []   # submitted, not collected: at most two
         self.decode_graphs = None
         if graph_max_batch:
             graphs = DecodeGraphs(model, self.kv_caches, block_size, max_model_len, graph_max_batch, device)
@@ -150,30 +162,66 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, masks: StepMasks | None = None) -> dict[str, StepResult]:
-        """Run one step plan. masks: the grammar masks of its constrained requests (none:
-        unconstrained). Raises RequestStepError when the failure is some requests' own; a failed
-        step leaves the seeded generators as they were, so a request run again draws the same
-        numbers (and the requests it ran leave the batch: the scheduler aborts or requeues them)."""
+        """Run one step plan and wait for its results (submit, then collect)."""
+        return self.collect(self.submit(plan, masks))
+
+    @torch.inference_mode()
+    def submit(self, plan: SchedulerOutput, masks: StepMasks | None = None) -> PendingStep:
+        """Queue one step plan on the device; collect() gives its results. masks: the grammar masks
+        of its constrained requests (none: unconstrained). One step may be in flight when the next
+        is submitted: the tokens the next feeds back are read on the device, where the first left
+        them (the host learns them only at collect). Raises RequestStepError when the failure is
+        some requests' own; a failed step leaves the seeded generators as they were, so a request
+        run again draws the same numbers (and the requests it ran leave the batch: the scheduler
+        aborts or requeues them)."""
+        if len(self._in_flight) > 1:
+            raise RuntimeError("a step is submitted while two are in flight: collect the oldest first")
         rows = self.batch.update(plan)
         generators = self.batch.generators(rows.tolist())
         states = [g.get_state() for g in generators]
         try:
-            return self._execute(plan, rows, masks or StepMasks())
+            pending = self._submit(plan, rows, masks or StepMasks())
         except Exception:
             for g, state in zip(generators, states):
                 g.set_state(state)
             raise
+        self._in_flight.append(pending)
+        return pending
 
-    def _execute(self, plan: SchedulerOutput, rows: np.ndarray, masks: StepMasks) -> dict[str, StepResult]:
+    def collect(self, pending: PendingStep) -> dict[str, StepResult]:
+        """The results of the oldest step in flight (waits for its tokens, not for later steps)."""
+        if not self._in_flight or self._in_flight[0] is not pending:
+            raise RuntimeError("steps are collected in the order they were submitted")
+        self._in_flight.pop(0)
+        results = pending.results
+        if pending.sample is not None:
+            out = pending.sample.to_host()
+            self.batch.resolve(pending.tokens, out.token_ids)
+            logprobs, top = out.logprobs, out.top_logprobs
+            for j, (rid, token) in enumerate(zip(pending.sampled_ids, out.token_ids)):
+                results[rid] = StepResult([token], [logprobs[j]] if logprobs is not None else None,
+                                          [top[j]] if top is not None else None)
+        return results
+
+    def drop_in_flight(self) -> None:
+        """Forget the steps in flight (after a failure; their requests are aborted)."""
+        self._in_flight.clear()
+
+    def _submit(self, plan: SchedulerOutput, rows: np.ndarray, masks: StepMasks) -> PendingStep:
         batch = plan.scheduled
         drafts = self._drafts(batch)
-        inputs = self.batch.prepare(plan, rows, {rid: d.token_ids for rid, d in drafts.items()})
+        previous = self._in_flight[-1].tokens if self._in_flight else None
+        inputs = self.batch.prepare(plan, rows, {rid: d.token_ids for rid, d in drafts.items()}, previous)
+        feed = None
+        if inputs.feed is not None:   # (token rows of this step, their tokens on the device)
+            dst, src = inputs.feed
+            feed = to_device(dst, self.device), self._in_flight[-1].sample.token_ids[to_device(src, self.device)]
         if self.decode_graphs is not None and inputs.is_plain_decode and self.decode_graphs.fits(len(batch)):
-            logits = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.block_tables)
+            logits = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.block_tables, feed)
         else:
-            logits = self._forward(inputs)
+            logits = self._forward(inputs, feed)
             if logits is None:
-                return {}
+                return PendingStep({})
         if inputs.sample_index is None:
             items = batch
         else:
@@ -181,15 +229,17 @@ class ModelRunner:
             rows = rows[inputs.samples]
         return self._sample(items, rows, logits, drafts, masks)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _forward(self, inputs: StepInputs, feed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
         """The logits of the rows the step samples (None: it samples none)."""
         fwd = device_inputs(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
                             inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.block_size, self.device)
+        if feed is not None:
+            fwd.input_ids.index_copy_(0, *feed)
         hidden = self.model(fwd.input_ids, fwd.positions, self.kv_caches, fwd.meta)
         if inputs.sample_index is not None:
             if not len(inputs.sample_index):
                 return None
-            hidden = hidden[torch.from_numpy(inputs.sample_index).to(self.device)]
+            hidden = hidden[to_device(inputs.sample_index, self.device)]
         return self.model.compute_logits(hidden)
 
     def _drafts(self, batch: list[ScheduledRequest]) -> dict[str, Draft]:
@@ -198,9 +248,11 @@ class ModelRunner:
         return {b.request_id: Draft(b.spec_token_ids) for b in batch if b.num_spec_tokens}
 
     def _sample(self, items: list[ScheduledRequest], rows: np.ndarray, logits: torch.Tensor,
-                drafts: dict[str, Draft], masks: StepMasks) -> dict[str, StepResult]:
-        """Plain rows are sampled together; speculative rows are verified per request. The tokens
-        taken are appended to the batch once every row has sampled (a failed step appends none)."""
+                drafts: dict[str, Draft], masks: StepMasks) -> PendingStep:
+        """Plain rows are sampled together, their tokens left on the device; speculative rows are
+        verified per request, on the host. The batch takes the tokens once every row has sampled (a
+        failed step appends none): the verified now, the plain ones as placeholders that collect
+        fills in."""
         results: dict[str, StepResult] = {}
         verified = []
         plain, plain_rows, plain_logit_rows, offset = [], [], [], 0
@@ -218,6 +270,7 @@ class ModelRunner:
                     raise RequestStepError([rid], error) from error
                 verified.append((row, results[rid].token_ids))
             offset += k + 1
+        pending = PendingStep(results)
         if plain:
             batch = self.batch
             sampling = batch.sampling_rows(plain_rows)
@@ -225,20 +278,17 @@ class ModelRunner:
                 sampling = [batch.sampling_row(row, grammar_bias=_first(masks.get(item.request, [])))
                             if batch.constrained(row) else batch.sampling_row(row)
                             for item, row in zip(plain, plain_rows)]
-            plain_logits = logits if len(plain) == logits.shape[0] else logits[plain_logit_rows]   # no copy when all
+            if len(plain) != logits.shape[0]:   # no copy when all
+                logits = logits[to_device(np.array(plain_logit_rows, np.int64), logits.device)]
             try:
-                out = self.sampler.sample(plain_logits, sampling)
+                pending.sample = self.sampler.sample_on_device(logits, sampling)
             except Exception as error:
-                raise self._blame(plain, plain_logits, sampling, error) from error
-            logprobs, top = out.logprobs, out.top_logprobs
-            for j, (item, token) in enumerate(zip(plain, out.token_ids)):
-                results[item.request_id] = StepResult(
-                    [token], [logprobs[j]] if logprobs is not None else None,
-                    [top[j]] if top is not None else None)
-            self.batch.append_one(np.array(plain_rows, np.int64), out.token_ids)
+                raise self._blame(plain, logits, sampling, error) from error
+            pending.sampled_ids = [item.request_id for item in plain]
+            pending.tokens = self.batch.append_placeholders(np.array(plain_rows, np.int64))
         for row, tokens in verified:
             self.batch.append(row, tokens)
-        return results
+        return pending
 
     def _blame(self, items: list[ScheduledRequest], logits: torch.Tensor, rows: list[SamplingRow],
                error: Exception) -> RequestStepError:

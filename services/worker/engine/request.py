@@ -1,8 +1,12 @@
 """A request's state inside the engine: its tokens, progress through them and its lifecycle.
 
-Invariant: all_token_ids = prompt + output; num_computed_tokens of them already have keys and
-values in the cache. A step schedules tokens num_computed_tokens..num_tokens-1 (plus any
-speculative draft tokens); when the step reaches the last known token it samples a new one.
+Invariant: all_token_ids = prompt + output; num_computed_tokens of them have keys and values in
+the cache once the steps scheduled so far have run (the scheduler advances it when it schedules a
+step). A step schedules tokens num_computed_tokens..num_tokens-1 (plus any speculative draft
+tokens); when the step reaches the last token it samples a new one. With overlap a step is
+scheduled while the one before it runs: the tokens that one will sample are counted in
+num_output_placeholders until their ids arrive, and the next step computes them already (the
+runner reads them on the device).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1             # prompt tokens found in the prefix cache at first schedule
+    num_output_placeholders: int = 0        # sampled by a step in flight, ids not known yet
     # Speculative decoding: the next step verifies num_spec_tokens drafts. The n-gram proposer's are
     # known before scheduling (spec_token_ids); a draft model makes them inside the step.
     num_spec_tokens: int = 0

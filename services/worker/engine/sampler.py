@@ -17,6 +17,7 @@ import torch
 
 from services.worker.engine.penalties import apply_penalties, has_penalties, suppress_stop_tokens
 from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.transfer import HostCopy, tensor_on
 
 
 @dataclass
@@ -37,6 +38,24 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None   # per row, descending; None if no row asked
 
 
+@dataclass
+class DeviceSample:
+    """A batch's sampled tokens, still on the logits' device (the next step can read them there),
+    with the logprobs asked for; their copy to the host is under way (transfer.py)."""
+    token_ids: torch.Tensor                  # int64 [N]
+    _copy: HostCopy
+    _top_counts: list[int] | None = None     # per row, when some row asked for logprobs
+
+    def to_host(self) -> SampleResult:
+        tokens, chosen, values, ids = self._copy.get()
+        if self._top_counts is None:
+            return SampleResult(tokens.tolist(), None, None)
+        if values is None:
+            return SampleResult(tokens.tolist(), chosen.tolist(), None)
+        top = [list(zip(ids[i, :k].tolist(), values[i, :k].tolist())) for i, k in enumerate(self._top_counts)]
+        return SampleResult(tokens.tolist(), chosen.tolist(), top)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None):
         """generator: shared by unseeded rows; None uses torch's default for the logits' device."""
@@ -44,9 +63,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """logits [N, V], float. Never modifies them."""
+        return self.sample_on_device(logits, rows).to_host()
+
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """sample, with the tokens left on the device and the host not waiting for them (on CUDA
+        the path has no synchronising copy for rows without penalties, min_tokens or a grammar)."""
         tokens, random, probs = self._process(logits, rows)
         if random:
-            tokens[random] = self._draw(probs, [rows[i].generator for i in random])
+            drawn = self._draw(probs, [rows[i].generator for i in random])
+            if len(random) == len(rows):
+                tokens = drawn
+            else:
+                tokens[_index(random, tokens.device)] = drawn
         return _with_logprobs(logits, tokens, rows)
 
     def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -55,7 +83,7 @@ class Sampler:
         tokens, random, probs = self._process(logits, rows)
         distribution = torch.zeros(logits.shape, device=logits.device).scatter_(1, tokens[:, None], 1.0)
         if random:
-            distribution[random] = probs
+            distribution[_index(random, logits.device)] = probs
         return distribution
 
     def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
@@ -67,7 +95,7 @@ class Sampler:
         if not random:
             return greedy_tokens, random, None
         # truncated_probs works in place: on our own copy when every row is random.
-        subset = adjusted if len(random) == len(rows) else adjusted[random]
+        subset = adjusted if len(random) == len(rows) else adjusted[_index(random, adjusted.device)]
         return greedy_tokens, random, truncated_probs(subset, [rows[i].params for i in random])
 
     def _adjust(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -100,7 +128,7 @@ class Sampler:
         uniform = torch.empty_like(probs)
         shared = [i for i, g in enumerate(generators) if g is None]
         if shared:
-            uniform[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).uniform_(
+            uniform[_index(shared, probs.device)] = torch.empty(len(shared), probs.shape[1], device=probs.device).uniform_(
                 generator=self.generator)
         for i, g in enumerate(generators):
             if g is not None:
@@ -118,15 +146,15 @@ def _add_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             bias.append(value)
     if row_index:
         device = logits.device
-        logits.index_put_((torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
-                          torch.tensor(bias, dtype=logits.dtype, device=device), accumulate=True)
+        logits.index_put_((tensor_on(row_index, torch.long, device), tensor_on(token_index, torch.long, device)),
+                          tensor_on(bias, logits.dtype, device), accumulate=True)
 
 
 def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """softmax after temperature, min_p, top_k, top_p (vLLM's order). Non-greedy rows only;
     modifies logits in place."""
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+        return tensor_on(values, logits.dtype, logits.device)[:, None]
 
     logits.div_(column([p.temperature for p in params]))
     if any(p.min_p > 0 for p in params):
@@ -144,9 +172,10 @@ def _top_k(logits: torch.Tensor, top_k: list[int]) -> None:
     """In place: keeps the k highest logits of each row, and ties with the k-th. 0 is off."""
     vocab_size = logits.shape[1]
     active = [0 < k < vocab_size for k in top_k]
-    k = torch.tensor([k if on else 1 for k, on in zip(top_k, active)], device=logits.device)[:, None]
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
-    kth = torch.where(torch.tensor(active, device=logits.device)[:, None], kth, float("-inf"))
+    ks = [k if on else 1 for k, on in zip(top_k, active)]
+    k = tensor_on(ks, torch.long, logits.device)[:, None]
+    kth = logits.topk(max(ks), dim=-1).values.gather(1, k - 1)
+    kth = torch.where(tensor_on(active, torch.bool, logits.device)[:, None], kth, float("-inf"))
     logits.masked_fill_(logits < kth, float("-inf"))
 
 
@@ -180,17 +209,18 @@ def _race_winner(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return probs.div(uniform.log_().neg_()).argmax(-1)
 
 
-def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                   rows: Sequence[SamplingRow]) -> SampleResult:
-    token_ids = tokens.tolist()
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices as a device tensor: indexing a CUDA tensor with a list copies it, synchronising."""
+    return tensor_on(rows, torch.long, device)
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
     if not any(row.params.logprobs for row in rows):
-        return SampleResult(token_ids, None, None)
+        return DeviceSample(tokens, HostCopy([tokens, None, None, None]))
     logprobs = logits.float().log_softmax(-1)
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-    most = max(row.params.top_logprobs for row in rows)
-    if not most:
-        return SampleResult(token_ids, chosen, None)
-    values, ids = logprobs.topk(min(most, logits.shape[1]), dim=-1)
-    top = [list(zip(ids[i, :row.params.top_logprobs].tolist(), values[i, :row.params.top_logprobs].tolist()))
-           for i, row in enumerate(rows)]
-    return SampleResult(token_ids, chosen, top)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    counts = [row.params.top_logprobs for row in rows]
+    values = ids = None
+    if max(counts):
+        values, ids = logprobs.topk(min(max(counts), logits.shape[1]), dim=-1)
+    return DeviceSample(tokens, HostCopy([tokens, chosen, values, ids]), counts)

@@ -10,10 +10,18 @@ cannot get a block, the most recently admitted request is preempted: its blocks 
 and it goes back to the head of the queue, to be recomputed (its finished prefix blocks stay
 findable in the prefix cache, so recompute is often cheap).
 
-The scheduler is the one owner of request state after a step: update_from_output applies the
-runner's results (computed tokens, accepted drafts, the sampled tokens and the stops they
-make), and finish takes a request out (finished, stopped on a string, aborted) and frees its
-blocks. The engine and the output processor only read requests.
+The scheduler is the one owner of request state: schedule advances each scheduled request's
+computed tokens and counts the token it will sample as a placeholder; update_from_output applies
+the runner's results (rejected drafts, the sampled tokens and the stops they make), and finish
+takes a request out (finished, stopped on a string, aborted) and frees its blocks. The engine
+and the output processor only read requests.
+
+Overlap (async scheduling): the next step may be scheduled before the results of the one in
+flight are applied. It then counts that step's placeholders as tokens (a decode computes the
+token the step in flight samples), never schedules a request past its max_tokens, and registers
+in the prefix cache only blocks of known tokens. A request that finishes when the results come
+(a stop token, one step late) may already be in the next step: what that step samples for it is
+dropped. A request preempted while in flight takes its token when the results come, in the queue.
 
 Each step's plan (SchedulerOutput) is all the runner reads: a request the runner does not hold
 comes with its tokens, sampling settings and whole block table (NewRequest), the first time it
@@ -84,8 +92,9 @@ class ScheduledRequest:
         self.num_spec_tokens = num_spec_tokens    # the last num_spec_tokens of them are unverified drafts
         self.block_ids = block_ids
         self.start_position = start = request.num_computed_tokens
-        # The step reaches the last known token, so a new one is sampled.
-        self.samples = start + num_new_tokens - num_spec_tokens >= len(request.all_token_ids)
+        # The step reaches the last token (a placeholder's too), so a new one is sampled.
+        self.samples = (start + num_new_tokens - num_spec_tokens
+                        >= len(request.all_token_ids) + request.num_output_placeholders)
         self.new = new
         self.block_start = block_start
         self.new_block_ids = block_ids[block_start:] if block_start < len(block_ids) else _NONE
@@ -138,14 +147,18 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_tokens, num_computed = len(request.all_token_ids), request.num_computed_tokens
+            num_known, placeholders = len(request.all_token_ids), request.num_output_placeholders
+            if placeholders and len(request.output_token_ids) + placeholders >= request.max_tokens:
+                i += 1                         # the step in flight gives its last token
+                continue
+            num_tokens, num_computed = num_known + placeholders, request.num_computed_tokens
             num_spec = request.num_spec_tokens if num_computed == num_tokens - 1 else 0
             num_new = num_tokens + num_spec - num_computed
             if num_new > budget:
                 num_new = budget
             if num_spec:
                 num_spec = max(0, min(num_spec, num_new - 1))
-            while not allocate(request, num_new, num_tokens_to_cache=num_tokens):
+            while not allocate(request, num_new, num_tokens_to_cache=num_known):
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -181,7 +194,8 @@ class Scheduler:
             budget -= num_new
 
     def _scheduled(self, request: Request, num_new: int, num_spec: int) -> ScheduledRequest:
-        """The request's entry in the plan, and the runner's view of its table brought up to date."""
+        """The request's entry in the plan, the runner's view of its table brought up to date, and
+        the request advanced past the step."""
         rid = request.request_id
         block_ids = self.kv.block_ids(rid)
         sent_blocks = self._sent_blocks
@@ -189,15 +203,21 @@ class Scheduler:
         num_blocks = len(block_ids)
         if sent is None:
             sent_blocks[rid] = num_blocks
-            return ScheduledRequest(request, num_new, num_spec, block_ids, new=NewRequest.of(request))
-        if sent != num_blocks:
-            sent_blocks[rid] = num_blocks
-        return ScheduledRequest(request, num_new, num_spec, block_ids, block_start=0 if self._whole_tables else sent)
+            item = ScheduledRequest(request, num_new, num_spec, block_ids, new=NewRequest.of(request))
+        else:
+            if sent != num_blocks:
+                sent_blocks[rid] = num_blocks
+            item = ScheduledRequest(request, num_new, num_spec, block_ids, block_start=0 if self._whole_tables else sent)
+        request.num_computed_tokens += num_new
+        if item.samples:
+            request.num_output_placeholders += 1
+        return item
 
     def update_from_output(self, out: SchedulerOutput, results: dict[str, StepResult],
                            now: float) -> list[tuple[Request, list[int]]]:
-        """Apply the step `out` ran: its tokens are computed, less the rejected drafts; each sampled
+        """Apply the step `out` ran: its rejected drafts are not computed after all; each sampled
         request takes its accepted tokens up to the first that stops it, and a finished one leaves.
+        A request that finished while the step ran takes nothing.
         -> (request, the tokens it took) per request that sampled."""
         updates = []
         append = updates.append
@@ -207,11 +227,13 @@ class Scheduler:
                 r.first_scheduled_time = now
             result = results.get(item.request_id)
             if result is None:
-                r.num_computed_tokens += item.num_new_tokens
                 continue                       # a prefill chunk: nothing sampled yet
-            r.num_computed_tokens += item.num_new_tokens - result.num_rejected
+            r.num_output_placeholders -= 1
+            if r.finished:
+                continue
             r.draft_lag = result.draft_lag
             if item.num_spec_tokens:
+                r.num_computed_tokens -= result.num_rejected
                 accepted = len(result.token_ids) - 1
                 r.spec_proposed += item.num_spec_tokens
                 r.spec_accepted += accepted
@@ -262,12 +284,15 @@ class Scheduler:
         self._release(request)
 
     def roll_back(self, out: SchedulerOutput, blamed: set[str]) -> None:
-        """The step `out` failed before any state moved: the blocks it registered in the prefix cache
-        hold no valid KV, so they are taken back; the requests it cannot blame go back to the head
-        of the queue to be recomputed as after a preemption (one admitted in the step may share a
-        block a blamed request never wrote). The caller aborts the blamed ones."""
+        """The step `out` failed before it ran, so its schedule is undone: the blocks it registered
+        in the prefix cache hold no valid KV, so they are taken back, and so are its placeholders;
+        the requests it cannot blame go back to the head of the queue to be recomputed as after a
+        preemption (one admitted in the step may share a block a blamed request never wrote). The
+        caller aborts the blamed ones."""
         self.kv.unregister_step()
         for item in reversed(out.scheduled):   # newest first, so the queue keeps admission order
+            if item.samples:
+                item.request.num_output_placeholders -= 1
             if item.request.request_id not in blamed:
                 self.running.remove(item.request)
                 self._preempt(item.request, counted=False)
@@ -281,7 +306,7 @@ class Scheduler:
     def _preempt(self, request: Request, counted: bool = True) -> None:
         self._release(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = 0   # a token it has in flight still comes (update_from_output)
         request.spec_token_ids = []
         request.num_spec_tokens = 0
         request.draft_lag = 0          # a draft model recomputes from scratch too
