@@ -9,7 +9,9 @@ max_in_flight_per_model). Gateway replicas share it: each takes 1/replicas, roun
 tokens queued in the pool (reported, plus what this replica admitted since) would keep its first
 token past overload.ttft_target_s; a request alone in flight is never held back. An organization
 with nothing in flight is not kept waiting behind others' streams: it may take one of a few slots
-past the limit (a quarter of it, at least one), so a light user stays interactive during a flood.
+past the limit (a quarter of it, at least one), so a light user stays interactive during a flood;
+those are counted apart, so a flood's streams left above a limit that fell do not use them up
+(admission/slot_release.py's `fits`).
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
@@ -42,7 +44,7 @@ from llmserve.v1 import worker_pb2
 from services.gateway.admission.estimator import Estimate, PoolEstimator
 from services.gateway.admission.fair_queue import FairQueue, Waiter, token_cost
 from services.gateway.admission.metrics import AdmissionMetrics
-from services.gateway.admission.slot_release import Slot, SlotReleases
+from services.gateway.admission.slot_release import Slot, SlotReleases, fits
 from services.gateway.config import OverloadConfig
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
@@ -153,7 +155,8 @@ class OverloadGuard:
         return max(1, gate.limit // 4)
 
     def _fits(self, gate: _ModelGate, org: str) -> bool:
-        if gate.org_in_flight[org] == 0 and gate.in_flight < gate.limit + self._spare(gate):
+        if gate.org_in_flight[org] == 0 and fits(gate.in_flight, gate.releases.spare_in_use, gate.limit,
+                                                 self._spare(gate), 0):
             return True
         if gate.in_flight >= gate.limit:
             return False
@@ -190,11 +193,12 @@ class OverloadGuard:
 
     def _grant(self, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int,
                answer_tokens: int) -> Slot:
+        spare = gate.in_flight >= gate.limit
         gate.in_flight += 1
         gate.org_in_flight[org] += 1
         gate.queue.charge(org, cost, weight)
         gate.since_report.append(prompt_tokens)
-        return gate.releases.take(org, self.clock(), answer_tokens)
+        return gate.releases.take(org, self.clock(), answer_tokens, spare)
 
     def wait_bound_s(self, model: str, org: str = "") -> float:
         """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a

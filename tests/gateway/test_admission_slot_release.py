@@ -1,14 +1,16 @@
 """A waiter's wait read off the in-flight streams (services/gateway/admission/slot_release.py),
 through the real OverloadGuard on a virtual clock: the n-th slot to free is the n-th smallest
-remaining time of the streams in flight, not n x hold / limit. A light organization beside a flood
-that holds every slot is queued, not refused, and admitted at the next release ahead of the
-flood's waiters; a request whose wait is past its bound is refused at once with the release it
-would have waited for as Retry-After."""
+remaining time of the streams in flight, not n x hold / limit. A light organization finding every
+slot taken is queued, not refused, and admitted at the next release ahead of the flood's waiters;
+streams left above a limit that fell do not use up the spare slot it may take; a request whose
+wait is past its bound is refused at once with the release it would have waited for as
+Retry-After."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 
 import pytest
 
@@ -55,44 +57,61 @@ def decisions(g: OverloadGuard, org: str, decision: str) -> float:
     return g.metrics.decisions.labels(model="m", organization=org, decision=decision)._value.get()
 
 
-async def test_a_light_organization_beside_a_flood_holding_every_slot_waits_for_the_next_release_and_goes_first():
+async def test_a_light_organization_finding_every_slot_taken_waits_for_the_next_release_and_goes_first():
     clock = VirtualClock()
-    g = guard(clock, max_in_flight_per_worker=1)
-    g.set_workers({"m": 3})                                  # 3 slots
+    g = guard(clock, max_in_flight_per_model=4)              # 4 slots and one spare past them
     await measure_one_second_a_token(g, clock, "flood")
     t0 = clock.t
-    s1 = await hold(g, "flood", 90)                          # frees at t0 + 90
-    clock.t = t0 + 5
-    s2 = await hold(g, "flood", 90)                          # t0 + 95
-    clock.t = t0 + 60
-    s3 = await hold(g, "flood", 90)                          # t0 + 150
-    g.set_workers({"m": 2})       # the limit falls to 2: the flood holds it and the spare slot past it
-    clock.t = t0 + 70
+    flood = []
+    for at in (0, 5, 60, 70):                                # they free at t0 + 90, 95, 150 and 160
+        clock.t = t0 + at
+        flood.append(await hold(g, "flood", 90))
+    clock.t = t0 + 71
+    other = await hold(g, "other", 100)                      # another light organization: the spare slot
+    clock.t = t0 + 72
     flood_waiter = asyncio.create_task(hold(g, "flood", 90))
     await settle()
-    clock.t = t0 + 71
+    clock.t = t0 + 73
     light = asyncio.create_task(hold(g, "light", 4))
     await settle()
-    # The fluid estimate said 90 s / 2 slots = 45 s, past the 30 s bound, and refused both.
+    # The fluid estimate said 90 s / 4 slots x 2 in line = 45 s, past the 30 s bound, and refused it.
     assert not light.done() and not flood_waiter.done()
     assert decisions(g, "light", "queued") == 1 and decisions(g, "light", "refused") == 0
-    assert g.estimated_wait_s("m", 0, "light") == pytest.approx(19.0)    # the first release, at t0 + 90
+    assert g.estimated_wait_s("m", 0, "light") == pytest.approx(17.0)    # the first release, at t0 + 90
 
     clock.t = t0 + 90
-    await s1.__aexit__(None, None, None)
+    await flood[0].__aexit__(None, None, None)
     await settle()
     assert light.done() and not flood_waiter.done()          # first at the next release, ahead of the flood
-    light_slot = light.result()
     clock.t = t0 + 94
-    await light_slot.__aexit__(None, None, None)             # its 4 tokens streamed; the flood is back at 2
+    await light.result().__aexit__(None, None, None)         # its 4 tokens streamed
     await settle()
-    assert not flood_waiter.done()
+    assert not flood_waiter.done()                           # the flood is back at the limit
     clock.t = t0 + 95
-    await s2.__aexit__(None, None, None)
+    await flood[1].__aexit__(None, None, None)
     await asyncio.wait_for(flood_waiter, 1)                  # then the flood's waiter, within its 30 s
-    for cm in (flood_waiter.result(), s3):
+    for cm in (flood_waiter.result(), other, *flood[2:]):
         await cm.__aexit__(None, None, None)
     assert decisions(g, "flood", "refused") == 0
+
+
+async def test_streams_left_above_a_limit_that_fell_do_not_use_up_the_spare_slot():
+    clock = VirtualClock()
+    g = guard(clock, max_in_flight_per_worker=1)
+    g.set_workers({"m": 3})
+    await measure_one_second_a_token(g, clock, "flood")
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(3):
+            await held.enter_async_context(g.admit("m", org="flood", max_tokens=90))
+            clock.t += 20
+        g.set_workers({"m": 2})      # the limit falls to 2 under the flood's 3 streams (limit + spare)
+        # Before, the light organization had to wait for one of the three to end: the fluid estimate
+        # (90 s / 2 slots = 45 s) refused it. The spare slot is still unused: it is admitted at once.
+        await asyncio.wait_for(held.enter_async_context(g.admit("m", org="light", max_tokens=16)), 1)
+        assert decisions(g, "light", "admitted") == 1
+        # The spare taken, a second one waits for the first stream to end: the light one's 16 tokens,
+        # before the flood's first (in 90 - 60 = 30 s).
+        assert g.estimated_wait_s("m", 0, "second-light") == pytest.approx(16.0)
 
 
 async def test_each_waiter_is_admitted_at_the_release_its_turn_needs_replayed_on_the_streams_in_flight():
@@ -176,3 +195,65 @@ async def test_on_equal_counters_the_organization_holding_fewer_slots_goes_first
     q.push(light := Waiter("light", 1.0, 0, 20.0))
     assert q.counter("light") == q.counter("flood")
     assert q.ordered() == [light, flood] and q.peek() is light   # by arrival alone the flood's went first
+
+
+async def test_beside_a_flood_under_a_moving_limit_a_light_organization_is_never_refused():
+    """bench-load's first fairness phase on a virtual clock (1 tick = 1 s): 24 clients of one
+    organization stream answers of 16-160 tokens at 1 token/s and honour Retry-After; a second sends
+    16-token requests one at a time and retries 1 s after a refusal; the pool's limit moves between
+    2 and 5 every 30 s, as the workers' reports moved it in the last session's run (2-5 streams of
+    10-90 s, where it was refused 498 of 526 times). With the slot releases but the spare slot
+    shared with streams left above a fallen limit: 154 of its 311 attempts were refused."""
+    clock, ticks_total = VirtualClock(), 3000
+    g = guard(clock, max_in_flight_per_worker=1, max_queued_per_model=32, ttft_target_s=2.0)
+    g.set_workers({"m": 3})
+    rng = random.Random(1)
+    lengths = [rng.randint(16, 160) for _ in range(64)]
+    start = clock.t
+    tick = asyncio.Condition()
+    seen = dict(light_refused=0, light_served=0, light_waits=[], flood_served=0)
+
+    async def ticks(n: int) -> None:
+        end = clock.t + n
+        async with tick:
+            await tick.wait_for(lambda: clock.t >= end or clock.t - start >= ticks_total)
+
+    async def flood(i: int) -> None:
+        while clock.t - start < ticks_total:
+            try:
+                async with g.admit("m", org="flood", prompt_tokens=100, max_tokens=lengths[i % 64]):
+                    await ticks(lengths[i % 64])
+                seen["flood_served"] += 1
+            except Overloaded as e:
+                await ticks(max(1, min(60, int(e.headers["Retry-After"]))))
+            i += 24
+
+    async def light() -> None:
+        await ticks(60)                                     # the flood fills the pool first
+        while clock.t - start < ticks_total:
+            asked = clock.t
+            try:
+                async with g.admit("m", org="light", prompt_tokens=30, max_tokens=16):
+                    seen["light_waits"].append(clock.t - asked)
+                    await ticks(16)
+                seen["light_served"] += 1
+            except Overloaded:
+                seen["light_refused"] += 1
+                await ticks(1)
+
+    tasks = [asyncio.create_task(flood(i)) for i in range(24)] + [asyncio.create_task(light())]
+    limits = random.Random(5)
+    for t in range(ticks_total):
+        if t % 30 == 0:
+            g.set_workers({"m": limits.randint(2, 5)})
+        for _ in range(30):                                 # every stream reaches its next wait
+            await asyncio.sleep(0)
+        async with tick:
+            clock.t += 1
+            tick.notify_all()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert seen["light_refused"] == 0, seen["light_refused"]
+    assert seen["light_served"] >= (ticks_total - 60) // 17 - 2 and max(seen["light_waits"]) == 0
+    assert seen["flood_served"] >= 100                      # the flood kept the slots busy (~3.5 x 3000 / 88)

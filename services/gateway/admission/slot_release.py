@@ -7,8 +7,8 @@ any ended, for the pool's estimate at admission (first token + budget / per-stre
 for the caller's mean hold. It frees at grant + that hold; an overdue one may free any moment (0 s).
 
 A waiter's wait is a replay of how overload.py's _wake hands out slots, on these expected releases:
-freed slots go to the waiters in the fair queue's order, the head taking one once it fits (under the
-limit, or the few spare slots past it for an organization with nothing in flight; _fits), and a slot
+freed slots go to the waiters in the fair queue's order, the head taking one once it fits
+(`fits`), and a slot
 granted to a waiter frees again after that waiter's own budget. So with the streams in flight
 ending in the order of their remaining times, the waiter whose turn needs n releases is admitted at
 the n-th of them. This replaces the fluid n x hold / limit, which spreads the releases evenly: at 2
@@ -27,11 +27,23 @@ from typing import Sequence
 PER_TOKEN_ALPHA = 0.2    # weight of the newest ended stream in the seconds per budgeted token
 
 
+def fits(in_flight: int, spare_in_use: int, limit: int, spare: int, org_in_flight: int) -> bool:
+    """The slot rule, without the pool's prompt backlog: under the limit; or, for an organization
+    with nothing in flight, one of `spare` slots past it, while in_flight < limit + spare or fewer
+    than `spare` of the streams in flight were granted past the limit. Counted apart, so that
+    streams left above a limit that fell (a flood's, admitted under the higher one) do not use up
+    the spare slots: a light organization then waited for several of them to end."""
+    if in_flight < limit:
+        return True
+    return org_in_flight == 0 and (in_flight < limit + spare or spare_in_use < spare)
+
+
 @dataclass(eq=False)
 class Slot:
     org: str
     granted_at: float
     budget_tokens: int
+    spare: bool = False                      # granted past the limit
     predicted_hold_s: float | None = None   # the pool's estimate at admission (None: none made)
 
 
@@ -40,19 +52,23 @@ class SlotReleases:
 
     def __init__(self) -> None:
         self._slots: set[Slot] = set()
+        self.spare_in_use = 0      # slots in flight granted past the limit
         self.s_per_token = 0.0     # measured seconds a slot is held per budgeted token (0: none ended)
 
     def __len__(self) -> int:
         return len(self._slots)
 
-    def take(self, org: str, now: float, budget_tokens: int) -> Slot:
-        slot = Slot(org, now, max(1, budget_tokens))
+    def take(self, org: str, now: float, budget_tokens: int, spare: bool) -> Slot:
+        slot = Slot(org, now, max(1, budget_tokens), spare)
         self._slots.add(slot)
+        self.spare_in_use += spare
         return slot
 
     def free(self, slot: Slot, now: float, measured: bool = True) -> None:
         """The slot's stream ended (measured: its hold teaches the speed; not for a grant handed back unused)."""
-        self._slots.discard(slot)
+        if slot in self._slots:
+            self._slots.remove(slot)
+            self.spare_in_use -= slot.spare
         if measured:
             sample = max(0.0, now - slot.granted_at) / slot.budget_tokens
             self.s_per_token = sample if not self.s_per_token else \
@@ -69,27 +85,30 @@ class SlotReleases:
         """Seconds from now at which each request of `turn` ((organization, answer budget), in the fair
         order) is granted a slot, replaying _wake on the expected releases (see the module
         docstring); None when a hold it needs is unknown."""
-        releases: list[tuple[float, int, str]] = []       # (seconds from now, tie-break, organization)
+        releases: list[tuple[float, int, str, bool]] = []   # (seconds from now, tie-break, organization, spare)
         held: Counter[str] = Counter()
         for slot in self._slots:
             hold = self.hold_s(slot.budget_tokens, slot.predicted_hold_s, mean_hold_s)
             if hold is None:
                 return None
-            releases.append((max(0.0, slot.granted_at + hold - now), len(releases), slot.org))
+            releases.append((max(0.0, slot.granted_at + hold - now), len(releases), slot.org, slot.spare))
             held[slot.org] += 1
         heapq.heapify(releases)
-        at, granted = 0.0, []
+        at, granted, spare_in_use = 0.0, [], self.spare_in_use
         for i, (org, budget) in enumerate(turn):
-            while len(releases) >= limit + (spare if not held[org] else 0):
+            while not fits(len(releases), spare_in_use, limit, spare, held[org]):
                 if not releases:
                     return None
-                at, _, gone = heapq.heappop(releases)
+                at, _, gone, was_spare = heapq.heappop(releases)
                 held[gone] -= 1
+                spare_in_use -= was_spare
             granted.append(at)
             if i + 1 < len(turn):        # its own release matters only to those behind it
                 hold = self.hold_s(budget, None, mean_hold_s)
                 if hold is None:
                     return None
-                heapq.heappush(releases, (at + hold, len(granted) + len(self._slots), org))
+                past = len(releases) >= limit
+                heapq.heappush(releases, (at + hold, len(granted) + len(self._slots), org, past))
                 held[org] += 1
+                spare_in_use += past
         return granted
