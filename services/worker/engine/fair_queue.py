@@ -113,15 +113,24 @@ class FairQueue:
     # -- charging ------------------------------------------------------------------------------
 
     def charge(self, scheduled: Iterable[ScheduledRequest]) -> None:
-        """Adds the tokens granted this step to their tenants' counters."""
+        """Adds the tokens granted this step to their tenants' counters (summed per tenant first:
+        this runs over every scheduled request, every step)."""
+        totals: dict[str, float] = {}
+        get = totals.get
         for item in scheduled:
             r = item.request
-            tenant = self._tenants.get(r.share.tenant)
-            if tenant is None:
-                continue
-            prompt = min(item.num_new_tokens, max(0, r.num_prompt_tokens - item.start_position))
-            output = item.num_new_tokens - prompt
-            tenant.counter += (INPUT_WEIGHT * prompt + OUTPUT_WEIGHT * output) / r.share.weight
+            share, n = r.share, item.num_new_tokens
+            prompt_left = len(r.prompt_token_ids) - item.start_position
+            if prompt_left <= 0:   # decoding
+                cost = OUTPUT_WEIGHT * n
+            else:
+                prompt = n if n < prompt_left else prompt_left
+                cost = INPUT_WEIGHT * prompt + OUTPUT_WEIGHT * (n - prompt)
+            totals[share.tenant] = get(share.tenant, 0.0) + cost / share.weight
+        for name, cost in totals.items():
+            tenant = self._tenants.get(name)
+            if tenant is not None:
+                tenant.counter += cost
 
     def counter(self, tenant: str) -> float | None:
         t = self._tenants.get(tenant)

@@ -198,9 +198,12 @@ class ModelRunner:
             out = pending.sample.to_host()
             self.batch.resolve(pending.tokens, out.token_ids)
             logprobs, top = out.logprobs, out.top_logprobs
-            for j, (rid, token) in enumerate(zip(pending.sampled_ids, out.token_ids)):
-                results[rid] = StepResult([token], [logprobs[j]] if logprobs is not None else None,
-                                          [top[j]] if top is not None else None)
+            if logprobs is None:   # most steps
+                for rid, token in zip(pending.sampled_ids, out.token_ids):
+                    results[rid] = StepResult([token])
+            else:
+                for j, (rid, token) in enumerate(zip(pending.sampled_ids, out.token_ids)):
+                    results[rid] = StepResult([token], [logprobs[j]], [top[j]] if top is not None else None)
         return results
 
     def drop_in_flight(self) -> None:

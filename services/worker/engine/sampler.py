@@ -89,6 +89,9 @@ class Sampler:
     def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                  ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """The greedy choice of every row, the indices of the random rows, and their distributions."""
+        if all(row.params.greedy and not _adjusts(row) for row in rows):   # the common batch: argmax alone,
+            _check_logits(logits, rows)                                      # no vocabulary-sized copy
+            return logits.argmax(-1), [], None
         adjusted = self._adjust(logits, rows)
         greedy_tokens = adjusted.argmax(-1)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -100,10 +103,7 @@ class Sampler:
 
     def _adjust(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """A float32 copy of logits with penalties, min_tokens, logit_bias and grammar masks applied."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
-        if not logits.is_floating_point():
-            raise ValueError(f"logits must be floating point, got {logits.dtype}")
+        _check_logits(logits, rows)
         adjusted = logits.to(torch.float32, copy=True)
         penalised = [i for i, row in enumerate(rows) if has_penalties(row)]
         if penalised:
@@ -134,6 +134,20 @@ class Sampler:
             if g is not None:
                 uniform[i].uniform_(generator=g)
         return _race_winner(probs, uniform)
+
+
+def _check_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+
+
+def _adjusts(row: SamplingRow) -> bool:
+    """Whether anything changes the row's logits before its choice (see _adjust)."""
+    p = row.params
+    return bool(has_penalties(row) or p.logit_bias or row.grammar_bias is not None
+                or (p.min_tokens and len(row.output_token_ids) < p.min_tokens))
 
 
 def _add_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
