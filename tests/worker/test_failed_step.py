@@ -103,3 +103,23 @@ def test_a_failure_blamed_on_one_request_aborts_only_it(smollm2, tokenizer, over
     assert tokens == {rid: r.tokens for rid, r in expected.items()}
     assert engine.pool.num_free_blocks == start
     assert not engine._requests and not engine._states
+
+
+def test_a_step_that_fails_before_the_runner_takes_its_plan_leaks_no_batch_row(smollm2, tokenizer):
+    words = tokenizer.encode(LONG_TEXT)
+    engine = make_engine(smollm2)
+    engine.add_request("short", words[:20], greedy(1))
+    engine.add_request("long", words[20:50], greedy(10))
+    step(engine)                                  # short finishes: the next plan tells the runner
+    update = engine.runner.batch.update
+
+    def refused(plan):
+        engine.runner.batch.update = update
+        raise RuntimeError("injected: the runner could not take the plan")
+    engine.runner.batch.update = refused
+    outputs = step(engine)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("long", "abort")]
+    assert "short" in engine.runner.batch          # never told
+    run(engine, {"next": (words[:12], greedy(3))})
+    assert "short" not in engine.runner.batch and "long" not in engine.runner.batch
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks

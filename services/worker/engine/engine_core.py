@@ -150,14 +150,15 @@ class EngineCore:
         if not plan.scheduled:
             return self._apply_in_flight() if self._in_flight is not None else []
         started = time.monotonic()
-        masks = StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
-        failure = None
+        masks, failure = None, None
         try:
+            masks = StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
             pending = self.runner.submit(plan, masks)
         except Exception as error:
             failure = error
         finally:
-            masks.wait()   # past the step, only the engine thread touches matchers
+            if masks is not None:
+                masks.wait()   # past the step, only the engine thread touches matchers
         outputs = self._apply_in_flight() if self._in_flight is not None else []
         if failure is not None:
             return outputs + self._recover(plan, failure)
@@ -184,8 +185,9 @@ class EngineCore:
         return outputs
 
     def _recover(self, plan: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
-        """A step whose forward pass failed, before any request state moved: abort the requests it
-        can blame (all of the step's, when the runner cannot say) and run the others again."""
+        """A step that failed before it ran (in its submission or its forward pass): undo its
+        schedule, abort the requests it can blame (all of the step's, when the runner cannot say)
+        and run the others again."""
         blamed = ({item.request.request_id for item in plan.scheduled} if not isinstance(error, RequestStepError)
                   else set(error.request_ids))
         log.exception("engine step failed; aborting %d of its %d requests", len(blamed), len(plan.scheduled),

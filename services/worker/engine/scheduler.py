@@ -288,8 +288,11 @@ class Scheduler:
         in the prefix cache hold no valid KV, so they are taken back, and so are its placeholders;
         the requests it cannot blame go back to the head of the queue to be recomputed as after a
         preemption (one admitted in the step may share a block a blamed request never wrote). The
-        caller aborts the blamed ones."""
+        caller aborts the blamed ones. The runner may not have taken the plan: the ids that left
+        before it go out again with the next (the runner ignores those it no longer holds, and
+        takes them before any new request of that plan)."""
         self.kv.unregister_step()
+        self._left = out.finished_ids + self._left
         for item in reversed(out.scheduled):   # newest first, so the queue keeps admission order
             if item.samples:
                 item.request.num_output_placeholders -= 1
