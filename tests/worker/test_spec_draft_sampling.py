@@ -55,7 +55,7 @@ def speculate(alter=None) -> list[list[int]]:
                          sampler, drafter=drafter)
     if alter is not None:
         propose = drafter.propose
-        drafter.propose = lambda batch: {rid: alter(d) for rid, d in propose(batch).items()}
+        drafter.propose = lambda *args: {rid: alter(d) for rid, d in propose(*args).items()}
     batch = []
     for i in range(TRIALS):
         r = Request(f"r{i}", [LAST_PROMPT_TOKEN], SamplingParams(temperature=1.0), max_tokens=16, eos_token_ids=[])

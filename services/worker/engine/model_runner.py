@@ -2,10 +2,9 @@
 
 The runner owns the KV cache tensors and never sees the block pool. It keeps its own persistent
 batch (input_batch.py), fed by the scheduler's step plans: new requests once, then diffs (token
-counts, new block ids, drafts) and the ids that left; it reads no live Request on its main path
-(a constrained row's masks come from StepMasks, which holds the matchers; a draft model still
-reads the requests it drafts for). Each sequence contributes its new tokens to one flattened
-batch; the logits of its last token (or of its k+1 verification positions) are sampled. With a
+counts, new block ids, drafts) and the ids that left; it reads no live Request (a constrained
+row's masks come from StepMasks, which holds the matchers, and a draft model drafting for one asks
+its matcher). Each sequence contributes its new tokens to one flattened batch; the logits of its last token (or of its k+1 verification positions) are sampled. With a
 draft model (spec/draft_model.py) the drafts are made first, inside the same step; otherwise
 they are the n-gram proposer's, in the plan. A constrained request's rows are sampled under its
 grammar's masks (StepMasks): drafts outside the grammar are never accepted.
@@ -212,7 +211,7 @@ class ModelRunner:
 
     def _submit(self, plan: SchedulerOutput, rows: np.ndarray, masks: StepMasks) -> PendingStep:
         batch = plan.scheduled
-        drafts = self._drafts(batch)
+        drafts = self._drafts(batch, rows)
         previous = self._in_flight[-1].tokens if self._in_flight else None
         inputs = self.batch.prepare(plan, rows, {rid: d.token_ids for rid, d in drafts.items()}, previous)
         feed = None
@@ -245,9 +244,9 @@ class ModelRunner:
             hidden = hidden[to_device(inputs.sample_index, self.device)]
         return self.model.compute_logits(hidden)
 
-    def _drafts(self, batch: list[ScheduledRequest]) -> dict[str, Draft]:
+    def _drafts(self, batch: list[ScheduledRequest], rows: np.ndarray) -> dict[str, Draft]:
         if self.drafter is not None:
-            return self.drafter.propose(batch)
+            return self.drafter.propose(batch, rows.tolist(), self.batch)
         return {b.request_id: Draft(b.spec_token_ids) for b in batch if b.num_spec_tokens}
 
     def _sample(self, items: list[ScheduledRequest], rows: np.ndarray, logits: torch.Tensor,
@@ -334,14 +333,3 @@ class ModelRunner:
 
 def _first(biases: torch.Tensor | None) -> torch.Tensor | None:
     return None if biases is None else biases[0]
-
-
-def sampling_row(request, extra_output: list[int] = (), grammar_bias: torch.Tensor | None = None) -> SamplingRow:
-    """The request's sampling row, as if extra_output (drafts before this position) were generated.
-    A grammar decides where constrained output ends: min_tokens does not hold its EOS back.
-    (The draft model's; the runner's own rows come from its batch, built alike: NewRequest.of.)"""
-    output = request.output_token_ids + list(extra_output) if extra_output else request.output_token_ids
-    free_eos = request.params.ignore_eos or request.matcher is not None
-    return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
-                       output_token_ids=output, generator=request.generator,
-                       eos_token_ids=() if free_eos else request.eos_token_ids, grammar_bias=grammar_bias)

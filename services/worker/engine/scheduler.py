@@ -81,7 +81,7 @@ class ScheduledRequest:
     the runner last saw it; the whole table for a new request or under a sliding window)."""
 
     __slots__ = ("request", "request_id", "num_new_tokens", "num_spec_tokens", "block_ids", "start_position",
-                 "samples", "new", "new_block_ids", "block_start", "spec_token_ids")
+                 "samples", "new", "new_block_ids", "block_start", "spec_token_ids", "draft_lag")
 
     def __init__(self, request: Request, num_new_tokens: int, num_spec_tokens: int, block_ids: list[int],
                  new: NewRequest | None = None, block_start: int = 0,
@@ -102,6 +102,7 @@ class ScheduledRequest:
         if spec_token_ids is None:
             spec_token_ids = request.spec_token_ids[:num_spec_tokens] if num_spec_tokens else _NONE
         self.spec_token_ids = spec_token_ids
+        self.draft_lag = request.draft_lag   # a draft model's catch-up starts this many tokens earlier
 
     @property
     def num_known_tokens(self) -> int:

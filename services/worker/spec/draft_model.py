@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine.model_runner import Draft, SeqSpan, forward_pass, kv_cache_tensors, sampling_row
+from services.worker.engine.input_batch import InputBatch
+from services.worker.engine.model_runner import Draft, SeqSpan, forward_pass, kv_cache_tensors
 from services.worker.engine.sampler import Sampler, exponential_race
 from services.worker.engine.scheduler import ScheduledRequest
 
@@ -38,50 +39,53 @@ class DraftModelProposer:
                                           param.dtype, param.device)
 
     @torch.inference_mode()
-    def propose(self, batch: list[ScheduledRequest]) -> dict[str, Draft]:
+    def propose(self, batch: list[ScheduledRequest], rows: list[int], inputs: InputBatch) -> dict[str, Draft]:
         """Bring the draft cache up to date for the whole batch; -> the drafts of the speculating
-        requests, exactly num_spec_tokens each."""
+        requests, exactly num_spec_tokens each. rows: each scheduled request's row of the runner's
+        batch (inputs), whose tokens and sampling settings it reads (no live request, but a
+        constrained request's grammar matcher)."""
         spans = []
-        for item in batch:
-            r, begin = item.request, item.start_position - item.request.draft_lag
-            spans.append(SeqSpan(r.all_token_ids[begin:item.start_position + item.num_known_tokens], begin,
-                                 item.block_ids))
+        for item, row in zip(batch, rows):
+            begin = item.start_position - item.draft_lag
+            spans.append(SeqSpan(inputs.token_ids[row, begin:item.start_position + item.num_known_tokens].tolist(),
+                                 begin, item.block_ids))
         hidden, ends = forward_pass(self.model, self.kv_caches, spans, self.block_size, self.device)
-        active = [item for item in batch if item.num_spec_tokens]
+        active = [(item, row) for item, row in zip(batch, rows) if item.num_spec_tokens]
         if not active:
             return {}
         hidden = hidden[torch.tensor([end - 1 for item, end in zip(batch, ends) if item.num_spec_tokens],
                                      device=self.device)]
-        tokens = {item.request.request_id: [] for item in active}
-        probs = {item.request.request_id: [] for item in active}
-        for j in range(max(item.num_spec_tokens for item in active)):
+        tokens = {item.request_id: [] for item, _ in active}
+        probs = {item.request_id: [] for item, _ in active}
+        for j in range(max(item.num_spec_tokens for item, _ in active)):
             if j:
-                active = [item for item in active if item.num_spec_tokens > j]
+                active = [(item, row) for item, row in active if item.num_spec_tokens > j]
                 # Draft j (counting from 1) goes in the slot j - 1 after the known tokens.
-                spans = [SeqSpan(tokens[item.request.request_id][-1:],
+                spans = [SeqSpan(tokens[item.request_id][-1:],
                                  item.start_position + item.num_known_tokens + j - 1, item.block_ids)
-                         for item in active]
+                         for item, _ in active]
                 hidden, _ = forward_pass(self.model, self.kv_caches, spans, self.block_size, self.device)
-            self._draw(active, self.model.compute_logits(hidden), tokens, probs)
+            self._draw(active, inputs, self.model.compute_logits(hidden), tokens, probs)
         # A greedy request keeps no q: verification compares tokens.
         return {rid: Draft(tokens[rid], torch.stack(probs[rid]) if probs[rid] else None) for rid in tokens}
 
-    def _draw(self, items: list[ScheduledRequest], logits: torch.Tensor, tokens: dict[str, list[int]],
-              probs: dict[str, list[torch.Tensor]]) -> None:
+    def _draw(self, items: list[tuple[ScheduledRequest, int]], inputs: InputBatch, logits: torch.Tensor,
+              tokens: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> None:
         """One more draft per item, drawn from q; q itself is kept for sampled requests."""
-        q = self.sampler.probs(logits, [sampling_row(item.request, tokens[item.request.request_id],
-                                                     _grammar_mask(item.request, tokens[item.request.request_id]))
-                                        for item in items])
+        rows = [inputs.sampling_row(row, tokens[item.request_id],
+                                    _grammar_mask(item, tokens[item.request_id]) if inputs.constrained(row) else None)
+                for item, row in items]
+        q = self.sampler.probs(logits, rows)
         argmax = q.argmax(-1).tolist()   # a greedy row of q is one-hot at the processed argmax
-        for i, item in enumerate(items):
-            r, rid = item.request, item.request.request_id
-            if r.params.greedy:
+        for i, ((item, _), row) in enumerate(zip(items, rows)):
+            rid = item.request_id
+            if row.params.greedy:
                 tokens[rid].append(argmax[i])
             else:
-                tokens[rid].append(int(exponential_race(q[i], r.generator or self.sampler.generator)))
+                tokens[rid].append(int(exponential_race(q[i], row.generator or self.sampler.generator)))
                 probs[rid].append(q[i])
 
 
-def _grammar_mask(request, drafted: list[int]) -> torch.Tensor | None:
+def _grammar_mask(item: ScheduledRequest, drafted: list[int]) -> torch.Tensor:
     """A constrained request drafts inside its grammar too, or its drafts would mostly be rejected."""
-    return None if request.matcher is None else request.matcher.mask_after(drafted)
+    return item.request.matcher.mask_after(drafted)
