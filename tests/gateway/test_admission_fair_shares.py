@@ -15,10 +15,10 @@ import random
 
 import pytest
 
-from llmserve.v1 import worker_pb2
 from services.gateway.config import OverloadConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard, Overloaded
+from tests.gateway.admission_helpers import VirtualClock, report
 
 SLOTS = 4
 TICKS = 1200
@@ -77,13 +77,6 @@ async def test_weights_two_to_one_give_two_to_one_even_to_the_smaller_flood():
     assert s["A"] / s["B"] == pytest.approx(2.0, rel=0.1), s
 
 
-def report(running: int, base: float, per_seq: float = 0.002) -> worker_pb2.LoadReport:
-    step = base + per_seq * running
-    return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=1 / step, step_time_s=step,
-                                 prefill_tokens_per_s=1000.0, max_num_seqs=64, decode_step_base_s=base,
-                                 decode_step_per_seq_s=per_seq)
-
-
 async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with_retry_after():
     clock = VirtualClock()
     g = OverloadGuard(OverloadConfig(max_in_flight_per_model=64, max_queued_per_model=64, queue_timeout_s=60.0,
@@ -105,14 +98,6 @@ async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with
     retry_ms = int(refused.value.headers["retry-after-ms"])
     assert "estimated wait" in refused.value.message and retry_ms == pytest.approx(100_000, rel=0.01)
     assert refused.value.headers["Retry-After"] == "100"
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():

@@ -14,19 +14,11 @@ import random
 
 import pytest
 
-from llmserve.v1 import worker_pb2
 from services.gateway.admission.fair_queue import FairQueue, Waiter
 from services.gateway.config import OverloadConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard, Overloaded
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.gateway.admission_helpers import VirtualClock, report
 
 
 def guard(clock: VirtualClock, **cfg) -> OverloadGuard:
@@ -142,13 +134,6 @@ async def test_each_waiter_is_admitted_at_the_release_its_turn_needs_replayed_on
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
-
-
-def report(running: int = 1, base: float = 0.5, per_seq: float = 0.002) -> worker_pb2.LoadReport:
-    step = base + per_seq * running
-    return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=1 / step, step_time_s=step,
-                                 prefill_tokens_per_s=1000.0, max_num_seqs=64, decode_step_base_s=base,
-                                 decode_step_per_seq_s=per_seq)
 
 
 async def test_before_any_stream_ended_the_releases_come_from_the_pools_estimates_at_admission():
