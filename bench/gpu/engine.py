@@ -53,8 +53,10 @@ def decode_batch1(engine, device, prompt_len: int, steps: int) -> tuple[float, i
     return per_step, prompt_len + 8 + steps // 2
 
 
-def product_workload(engine, device, n: int, prompt_len: int, out_len: int, n_short: int) -> dict:
-    """n long requests at once; n_short short prompts arrive once decoding is under way."""
+def product_workload(engine, device, n: int, prompt_len: int, out_len: int, n_short: int,
+                     tokens: dict[str, list[int]] | None = None) -> dict:
+    """n long requests at once; n_short short prompts arrive once decoding is under way.
+    tokens: filled with each request's output token ids, when given."""
     from services.worker.engine.sampling_params import SamplingParams
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
@@ -70,7 +72,11 @@ def product_workload(engine, device, n: int, prompt_len: int, out_len: int, n_sh
                 engine.add_request(f"short{j}", ids, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
                 timeline.arrival[f"short{j}"] = time.perf_counter()
                 short.append(f"short{j}")
-        timeline.observe(engine.step())
+        outputs = engine.step()
+        timeline.observe(outputs)
+        if tokens is not None:
+            for o in outputs:
+                tokens.setdefault(o.request_id, []).extend(o.token_ids)
         steps += 1
     elapsed = timeline.elapsed()
     return dict(tps=timeline.tokens / elapsed, seconds=elapsed, itl_p50=percentile(timeline.gaps, 50),
@@ -123,17 +129,19 @@ def overlap_rows(engine, device, n: int, prompt_len: int, out_len: int) -> list[
                 torch.cuda.set_sync_debug_mode("default")
                 submits.append(1)
                 synced.append(any("synchroniz" in str(w.message) for w in caught))
-    tps = {}
+    tps, tokens = {}, {False: {}, True: {}}
     for overlap in (False, True):
         core.async_scheduling = overlap
         if overlap and device.type == "cuda":
             runner.submit = watched
-        tps[overlap] = product_workload(engine, device, n, prompt_len, out_len, 0)["tps"]
+        tps[overlap] = product_workload(engine, device, n, prompt_len, out_len, 0, tokens[overlap])["tps"]
         runner.submit = submit
     core.async_scheduling = False
+    differ = sum(tokens[True].get(rid) != ids for rid, ids in tokens[False].items())
     rows = [(f"{n} x ({prompt_len} in, {out_len} out) without overlap: output tokens/s", f"{tps[False]:.0f}", ""),
             ("the same with overlap (async scheduling)", f"{tps[True]:.0f} ({tps[True] / tps[False]:.2f}x)",
-             "> 1x")]
+             "> 1x"),
+            ("requests whose greedy tokens differ with overlap", f"{differ} of {len(tokens[False])}", "0")]
     rows.append(("overlapped submissions that synchronised with the device",
                  f"{sum(synced)} of {len(submits)}" if device.type == "cuda" else "not measured off CUDA", "0"))
     return rows

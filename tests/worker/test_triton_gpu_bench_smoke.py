@@ -48,3 +48,4 @@ def test_gpu_bench_smoke_run(tmp_path):
     assert "batch-1 decode step without CUDA graphs | graphs off" in engine   # the CPU smoke runs the torch backend
     assert "| random:tiny-moe" in engine        # the MoE engine ran, or says why it could not
     assert "| the same with overlap (async scheduling) |" in engine
+    assert "| requests whose greedy tokens differ with overlap | 0 of 4 |" in engine
