@@ -65,8 +65,11 @@ class Ticket:
     admitted_at: float
     estimate: Estimate | None = None
     _guard: "OverloadGuard | None" = None
+    _slot: Slot | None = None
 
     def first_token(self) -> None:
+        if self._slot is not None and self._guard is not None and self._slot.first_token_at is None:
+            self._slot.first_token_at = self._guard.clock()   # the slot's hold is its first token, then decode
         if self.estimate is not None and self._guard is not None:
             actual = self._guard.clock() - self.admitted_at
             self._guard.metrics.ttft_ratio.labels(model=self.model).observe(actual / max(1e-3, self.estimate.ttft_s))
@@ -282,7 +285,7 @@ class OverloadGuard:
         except BaseException:
             gate.queue.leave(org)
             raise
-        ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self)
+        ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self, _slot=slot)
         running = max(gate.pool.state.running, gate.in_flight - 1)   # the report also sees other replicas'
         ticket.estimate = gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:-1]))
         if ticket.estimate is not None:

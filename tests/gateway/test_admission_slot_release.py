@@ -242,3 +242,21 @@ async def test_beside_a_flood_under_a_moving_limit_a_light_organization_is_never
     assert seen["light_refused"] == 0, seen["light_refused"]
     assert seen["light_served"] >= (ticks_total - 60) // 17 - 2 and max(seen["light_waits"]) == 0
     assert seen["flood_served"] >= 100                      # the flood kept the slots busy (~3.5 x 3000 / 88)
+
+
+async def test_a_short_answers_wait_for_its_first_token_is_not_charged_to_every_token_of_a_long_one():
+    clock = VirtualClock()
+    g = guard(clock, max_in_flight_per_model=1)
+    for _ in range(3):                  # short answers: 5 s to the first token, then 3 tokens in 0.3 s
+        async with g.admit("m", org="A", prompt_tokens=50, max_tokens=3) as ticket:
+            clock.t += 5.0
+            ticket.first_token()
+            clock.t += 0.3
+    long = g.admit("m", org="A", prompt_tokens=50, max_tokens=100)
+    ticket = await long.__aenter__()
+    clock.t += 5.0
+    ticket.first_token()                # the long one's first token is out: 100 tokens at 0.1 s to go
+    clock.t += 2.0
+    # Its slot frees 8 s from now (first token + 100 x 0.1 s), not at grant + 100 x 5.3 / 3 s (169 s).
+    assert g.estimated_wait_s("m", 0, "A") == pytest.approx(8.0, abs=0.01)
+    await long.__aexit__(None, None, None)

@@ -15,8 +15,11 @@ from tests.worker.conftest import smollm2  # noqa: F401  (session fixture: SmolL
 @pytest.fixture(scope="session")
 def platform(tmp_path_factory) -> Iterator[Platform]:
     """Two workers, a router, conversations and two gateway replicas sharing one DB. Tests that
-    kill or restart a process bring it back before they end."""
-    p = launch(tmp_path_factory.mktemp("platform"))
+    kill or restart a process bring it back before they end. Admission has make run's CPU targets
+    (deploy/local/run.py): at the GPU's 20 tokens/s a stream, how many streams these CPU workers
+    may run depends on the machine's load, and these tests are not about admission."""
+    p = launch(tmp_path_factory.mktemp("platform"), overload__stream_tokens_per_s="2.0",
+               overload__ttft_target_s="2.0")
     try:
         yield p
     finally:

@@ -1,10 +1,13 @@
 """When a model's in-flight streams free their slots, so that a waiter's wait is read off them.
 
-Each granted slot remembers when it was granted and its answer budget (max_tokens, or the default).
-It is expected to be held for that budget at the seconds per budgeted token measured over this
-model's streams that ended here (which counts answers that stop before their budget), or, before
-any ended, for the pool's estimate at admission (first token + budget / per-stream speed), or else
-for the caller's mean hold. It frees at grant + that hold; an overdue one may free any moment (0 s).
+Each granted slot remembers when it was granted, when its first token came and its answer budget
+(max_tokens, or the default). A hold is a first token, then a decode: the slot is expected to free
+at its first token (or, before it, at its grant + the measured time to a first token) + its budget
+x the seconds per budgeted token measured after the first token over this model's streams that
+ended here (which counts answers that stop before their budget). Measured apart, a short answer's
+wait for its first token does not make every token of a long one look slow. Before any stream
+ended: the pool's estimate at admission (first token + budget / per-stream speed), or else the
+caller's mean hold. An overdue slot may free any moment (0 s).
 
 A waiter's wait is a replay of how overload.py's _wake hands out slots, on these expected releases:
 freed slots go to the waiters in the fair queue's order, the head taking one once it fits
@@ -24,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-PER_TOKEN_ALPHA = 0.2    # weight of the newest ended stream in the seconds per budgeted token
+PER_TOKEN_ALPHA = 0.2    # weight of the newest ended stream in the measured means (per token, first token)
 
 
 def fits(in_flight: int, spare_in_use: int, limit: int, spare: int, org_in_flight: int) -> bool:
@@ -45,6 +48,7 @@ class Slot:
     budget_tokens: int
     spare: bool = False                      # granted past the limit
     predicted_hold_s: float | None = None   # the pool's estimate at admission (None: none made)
+    first_token_at: float | None = None     # when its first token went out (None: not yet, or never)
 
 
 class SlotReleases:
@@ -53,7 +57,8 @@ class SlotReleases:
     def __init__(self) -> None:
         self._slots: set[Slot] = set()
         self.spare_in_use = 0      # slots in flight granted past the limit
-        self.s_per_token = 0.0     # measured seconds a slot is held per budgeted token (0: none ended)
+        self.s_per_token = 0.0     # measured seconds per budgeted token after the first (0: none ended)
+        self.first_token_s = 0.0   # measured seconds from grant to first token (0: none measured)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -69,16 +74,26 @@ class SlotReleases:
         if slot in self._slots:
             self._slots.remove(slot)
             self.spare_in_use -= slot.spare
-        if measured:
-            sample = max(0.0, now - slot.granted_at) / slot.budget_tokens
-            self.s_per_token = sample if not self.s_per_token else \
-                self.s_per_token + PER_TOKEN_ALPHA * (sample - self.s_per_token)
+        if not measured:
+            return
+        decode_from = slot.granted_at
+        if slot.first_token_at is not None:
+            decode_from = slot.first_token_at
+            self.first_token_s = _mean(self.first_token_s, max(0.0, slot.first_token_at - slot.granted_at))
+        self.s_per_token = _mean(self.s_per_token, max(0.0, now - decode_from) / slot.budget_tokens)
 
     def hold_s(self, budget_tokens: int, predicted_s: float | None, mean_hold_s: float | None) -> float | None:
-        """How long a stream of this budget holds its slot (None: nothing to tell)."""
+        """How long a stream of this budget holds its slot from its grant (None: nothing to tell)."""
         if self.s_per_token:
-            return self.s_per_token * max(1, budget_tokens)
+            return self.first_token_s + self.s_per_token * max(1, budget_tokens)
         return predicted_s if predicted_s is not None else mean_hold_s
+
+    def _remaining_s(self, slot: Slot, now: float, mean_hold_s: float | None) -> float | None:
+        """How long until a slot in flight frees (0: overdue); None: nothing to tell."""
+        if self.s_per_token and slot.first_token_at is not None:
+            return max(0.0, slot.first_token_at + self.s_per_token * slot.budget_tokens - now)
+        hold = self.hold_s(slot.budget_tokens, slot.predicted_hold_s, mean_hold_s)
+        return None if hold is None else max(0.0, slot.granted_at + hold - now)
 
     def admissions(self, now: float, turn: Sequence[tuple[str, int]], limit: int, spare: int,
                    mean_hold_s: float | None) -> list[float] | None:
@@ -88,10 +103,10 @@ class SlotReleases:
         releases: list[tuple[float, int, str, bool]] = []   # (seconds from now, tie-break, organization, spare)
         held: Counter[str] = Counter()
         for slot in self._slots:
-            hold = self.hold_s(slot.budget_tokens, slot.predicted_hold_s, mean_hold_s)
-            if hold is None:
+            remaining = self._remaining_s(slot, now, mean_hold_s)
+            if remaining is None:
                 return None
-            releases.append((max(0.0, slot.granted_at + hold - now), len(releases), slot.org, slot.spare))
+            releases.append((remaining, len(releases), slot.org, slot.spare))
             held[slot.org] += 1
         heapq.heapify(releases)
         at, granted, spare_in_use = 0.0, [], self.spare_in_use
@@ -112,3 +127,8 @@ class SlotReleases:
                 held[org] += 1
                 spare_in_use += past
         return granted
+
+
+def _mean(mean: float, sample: float) -> float:
+    """The running mean's next value (the first sample sets it)."""
+    return sample if not mean else mean + PER_TOKEN_ALPHA * (sample - mean)
