@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.docker import build as docker_build
+from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.deploy.charts import build_charts, render
 from tests.deploy.pods import Pod, pod
 
@@ -122,6 +123,26 @@ def wait_ready(platform: Platform, service: str) -> None:
             time.sleep(0.5)
 
 
+def wait_routable(platform: Platform, timeout: float = 60.0) -> None:
+    """Until the router describes every model from a worker's report, as the gateway needs to route
+    a chat (before that it answers 503 with Retry-After): every pod's probes can pass a moment
+    before the router's next poll of the worker that just turned SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{PORTS['router']}") as channel:
+        stub = worker_pb2_grpc.GenerationStub(channel)
+        while True:
+            try:
+                models = stub.ListModels(worker_pb2.ListModelsRequest(), timeout=5).models
+                if models and all(m.max_context_length for m in models):
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router described no model from a worker within {timeout:.0f}s:\n"
+                                   f"{platform.logs('router')}")
+            time.sleep(0.5)
+
+
 @contextmanager
 def running_platform(docker, workdir: Path) -> Iterator[Platform]:
     """Every service's pod started at once (as `helm install` does), each waited for by its probes;
@@ -143,6 +164,7 @@ def running_platform(docker, workdir: Path) -> Iterator[Platform]:
             docker.docker("run", "--detach", *pods[service].run_args)
         for service in START_ORDER:
             wait_ready(platform, service)
+        wait_routable(platform)
         yield platform
     finally:
         for spec in pods.values():
