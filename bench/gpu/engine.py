@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+import warnings
 
 import torch
 
@@ -119,7 +120,6 @@ def overlap_rows(engine, device, n: int, prompt_len: int, out_len: int) -> list[
     submit, synced, submits = runner.submit, [], []
 
     def watched(*args):
-        import warnings
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")

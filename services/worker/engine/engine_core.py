@@ -44,6 +44,7 @@ from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.load_stats import LoadStats
 from services.worker.engine.model_runner import ModelRunner, PendingStep, RequestStepError, StepResult
+from services.worker.engine.penalties import penalised
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -114,8 +115,7 @@ class EngineCore:
     def _needs_host_tokens(self, params: SamplingParams) -> bool:
         """Whether a request's next step reads its last token on the host (so none may overlap)."""
         k = params.num_speculative_tokens
-        return (params.constraint is not None or params.min_tokens > 0 or params.repetition_penalty != 1.0
-                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        return (params.constraint is not None or params.min_tokens > 0 or penalised(params)
                 or self.drafts_in_step or (k if k is not None else self.num_speculative_tokens) > 0)
 
     def abort_requests(self, request_ids: list[str],

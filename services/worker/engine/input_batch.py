@@ -7,8 +7,9 @@ the others (block ids appended since the runner last saw the table); the tokens 
 samples are appended here, since the scheduler accepts every one of them up to a stop, and a
 request that stopped leaves the batch at the next plan. A token sampled on the device is appended
 as a placeholder the host fills in when it learns it; a step prepared meanwhile (overlap) is
-told which of its input tokens to take from the device (StepInputs.feed). A step's inputs are then gathered from
-the rows with a few numpy operations: no per-token Python and no live Request read.
+told which of its input tokens to take from the device (StepInputs.feed). A step's inputs are
+then gathered from the rows with a few numpy operations: no per-token Python and no live Request
+read.
 
 Invariant, checked every step: a row holds at least the tokens the plan schedules as known
 (start_position + num_known_tokens <= its token count), and its table covers the step's tokens.
@@ -207,7 +208,7 @@ class InputBatch:
 
     def resolve(self, pending: PendingTokens, token_ids: list[int]) -> None:
         """The placeholders' tokens, now known, in place (rows still held by the same requests)."""
-        live = self._gen[pending.rows] == pending.gens
+        live = self._live(pending)
         if live.all():
             rows, positions, tokens = pending.rows, pending.positions, token_ids
         else:
@@ -263,11 +264,15 @@ class InputBatch:
         return StepInputs(rows, input_ids, positions, slots, query_start_loc, query_lens, seq_lens, tables,
                           samples, sample_index, feed)
 
+    def _live(self, pending: PendingTokens) -> np.ndarray:
+        """Which placeholders still belong to the requests that sampled them."""
+        return self._gen[pending.rows] == pending.gens
+
     def _feed(self, in_flight: PendingTokens, token_rows: np.ndarray,
               positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Which input tokens are the in-flight step's placeholders, and which of its samples each is."""
         source = np.full(len(self.num_tokens), -1, np.int64)
-        live = self._gen[in_flight.rows] == in_flight.gens
+        live = self._live(in_flight)
         source[in_flight.rows[live]] = np.flatnonzero(live)
         j = source[token_rows]
         hit = j >= 0

@@ -4,7 +4,8 @@ The runner owns the KV cache tensors and never sees the block pool. It keeps its
 batch (input_batch.py), fed by the scheduler's step plans: new requests once, then diffs (token
 counts, new block ids, drafts) and the ids that left; it reads no live Request (a constrained
 row's masks come from StepMasks, which holds the matchers, and a draft model drafting for one asks
-its matcher). Each sequence contributes its new tokens to one flattened batch; the logits of its last token (or of its k+1 verification positions) are sampled. With a
+its matcher). Each sequence contributes its new tokens to one flattened batch; the logits of its
+last token (or of its k+1 verification positions) are sampled. With a
 draft model (spec/draft_model.py) the drafts are made first, inside the same step; otherwise
 they are the n-gram proposer's, in the plan. A constrained request's rows are sampled under its
 grammar's masks (StepMasks): drafts outside the grammar are never accepted.

@@ -14,10 +14,15 @@ import torch
 
 if TYPE_CHECKING:
     from services.worker.engine.sampler import SamplingRow
+    from services.worker.engine.sampling_params import SamplingParams
 
 
 def has_penalties(row: SamplingRow) -> bool:
-    p = row.params
+    return penalised(row.params)
+
+
+def penalised(p: SamplingParams) -> bool:
+    """Whether a request's sampling reads its history for penalties."""
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
