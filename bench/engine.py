@@ -200,7 +200,7 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int],
             client = openai.AsyncOpenAI(base_url=base, api_key="x")
 
             async def one(prompt: str, max_tokens: int):
-                t0, ttft, tokens = time.perf_counter(), None, 0
+                t0, ttft, finish = time.perf_counter(), None, None
                 stream = await client.chat.completions.create(
                     model="x", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                     stream=True, temperature=0,
@@ -208,15 +208,19 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int],
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         ttft = ttft or time.perf_counter() - t0
-                        tokens += 1
-                return ttft or 0.0, tokens
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                # Counted by the finish, not by chunks: the server merges the tokens of a character
+                # that spans several into one chunk (37 chunks for 64 tokens), and sends no usage.
+                return ttft or 0.0, finish
             t0 = time.perf_counter()
             res = await asyncio.gather(*(one(p, m) for p, m in prompts))
             return res, time.perf_counter() - t0
 
         res, elapsed = asyncio.run(run_all())
-        if any(tokens < m for (_, tokens), (_, m) in zip(res, prompts)):
-            raise RuntimeError(f"llama_cpp.server cut streams short: {[tokens for _, tokens in res]} tokens")
+        if any(finish != "length" for _, finish in res):
+            raise RuntimeError(f"llama_cpp.server ended streams before max_tokens: {[f for _, f in res]}")
+        res = [(ttft, m) for (ttft, _), (_, m) in zip(res, prompts)]
         return dict(tps=sum(r[1] for r in res) / elapsed, ttft_p95=percentile([r[0] for r in res], 95),
                     tokens=sum(r[1] for r in res), seconds=elapsed)
     finally:

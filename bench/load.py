@@ -13,10 +13,13 @@ then:
    goodput (tokens/s of requests that met both targets), refusals and how fast they came back.
 3. Fairness: one organization flooding with 24 concurrent streams while a second sends one short
    chat at a time (its refusals and TTFT p95 against its unloaded TTFT); two organizations of equal
-   weight flooding together, then with weights 2:1 (shares of the tokens streamed).
+   weight flooding together, then with weights 2:1 (shares of the tokens streamed), each with
+   --share-streams streams: more than half the pool's limit together, or nobody waits (on a quiet
+   2-core VM the limit is 15-30 streams; 12-01 ran 48).
 
     python -m bench.load [--url URL --key KEY] [--port-base 47200] [--seconds 30]
                          [--llama-python PATH] [--parts burst,poisson,fairness,peers]
+                         [--share-streams 24]
 
 Writes docs/perf/load.md and docs/perf/load.json. The machine is a shared 2-core VM: absolute
 figures move with what else runs, the ratios measured in one run are what to compare.
@@ -291,9 +294,11 @@ def gauge_summary(samples: list[dict]) -> dict:
     return out
 
 
-async def fairness(url: str, prompts, seconds: float) -> dict:
+async def fairness(url: str, prompts, seconds: float, share_streams: int = 24) -> dict:
     """Each phase runs `seconds`; shares are counted after the first third, once the first wave of
-    admissions (which holds its slots for a whole answer, 10-60 s here) has ended."""
+    admissions (which holds its slots for a whole answer, 10-60 s here) has ended. In the shares'
+    phases each organization floods with share_streams streams: the pool must hold fewer than both
+    together, or nobody waits and the shares are only the demands'."""
     short = [(p[:120], 16) for p, _ in prompts]
     warmup = seconds / 3
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
@@ -327,12 +332,13 @@ async def fairness(url: str, prompts, seconds: float) -> dict:
             a_res, b_res, gauges = [], [], []
             start = time.monotonic()
             until = start + seconds
-            await asyncio.gather(flood(session, url, prompts, [(a_key, "A", a_res), (b_key, "B", b_res)], 24, until),
+            await asyncio.gather(flood(session, url, prompts, [(a_key, "A", a_res), (b_key, "B", b_res)],
+                                       share_streams, until),
                                  gateway_gauges(session, url, until, gauges))
             window = (start + warmup, until)
             a_tokens, b_tokens = tokens_between(a_res, *window), tokens_between(b_res, *window)
             first = (start, start + warmup)
-            report[label] = dict(weight_a=weight_a, a_tokens=a_tokens, b_tokens=b_tokens,
+            report[label] = dict(weight_a=weight_a, streams_each=share_streams, a_tokens=a_tokens, b_tokens=b_tokens,
                                  ratio=a_tokens / b_tokens if b_tokens else None, window_s=seconds - warmup,
                                  first_ratio=tokens_between(a_res, *first) / max(1, tokens_between(b_res, *first)),
                                  refused=sum(r.status == 429 for r in a_res + b_res),
@@ -439,7 +445,8 @@ def render(d: dict) -> str:
             if not r:
                 continue
             window = f" over the last {r['window_s']:.0f} s" if r.get("window_s") else ""
-            lines.append(f"- {label.replace('_', ' ')}: tokens streamed{window} A {r['a_tokens']}, B {r['b_tokens']}: "
+            streams = f" ({r['streams_each']} streams each)" if r.get("streams_each") else ""
+            lines.append(f"- {label.replace('_', ' ')}{streams}: tokens streamed{window} A {r['a_tokens']}, B {r['b_tokens']}: "
                          f"A/B = {_f(r['ratio'])} (wanted {want:g}); {r['refused']} of {r.get('requests', '?')} "
                          f"requests refused.")
             if "first_ratio" in r:
@@ -497,6 +504,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60, help="per open-loop rate")
     parser.add_argument("--fairness-seconds", type=float, default=240,
                         help="per fairness phase; shares are counted over its last two thirds")
+    parser.add_argument("--share-streams", type=int, default=24,
+                        help="streams per organization in the shares' phases (more than half the pool's limit)")
     parser.add_argument("--parts", default="burst,poisson,fairness,peers")
     parser.add_argument("--capacity", type=float, default=0.5, help="requests/s, when the burst is not run")
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python[server] (default: this one)")
@@ -527,7 +536,7 @@ def main() -> None:
             if "poisson" in parts:
                 data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, capacity, args.seconds, targets))
             if "fairness" in parts:
-                data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds))
+                data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds, args.share_streams))
         finally:
             if proc is not None:
                 stop_make_run(proc)

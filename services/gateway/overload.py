@@ -76,6 +76,11 @@ class Ticket:
             self.estimate = None
 
 
+def _turn(waiters: list[Waiter]) -> list[tuple[str, int]]:
+    """The (organization, answer budget) pairs that slot-release replays take, in the waiters' order."""
+    return [(w.org, w.answer_tokens) for w in waiters]
+
+
 class _ModelGate:
     """Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed;
     releases holds one Slot for each of them."""
@@ -172,7 +177,7 @@ class OverloadGuard:
         them) would be admitted."""
         gate = self._gate(model)
         order = self._live_order(gate)
-        return self._waits(gate, [(w.org, w.answer_tokens) for w in order[:ahead]] + [(org, 0)])[-1]
+        return self._waits(gate, _turn(order[:ahead]) + [(org, 0)])[-1]
 
     @staticmethod
     def _live_order(gate: _ModelGate) -> list[Waiter]:
@@ -244,7 +249,7 @@ class OverloadGuard:
         now = self.clock()
         while True:
             order = self._live_order(gate)
-            waits = self._waits(gate, [(w.org, w.answer_tokens) for w in order])
+            waits = self._waits(gate, _turn(order))
             late = next(((w, e) for w, e in zip(order, waits) if e is not None and now + e > w.deadline), None)
             if late is None:
                 return
@@ -320,7 +325,7 @@ class OverloadGuard:
         waiter.deadline = started + bound
         gate.queue.push(waiter)
         order = self._live_order(gate)
-        estimate = self._waits(gate, [(w.org, w.answer_tokens) for w in order[:order.index(waiter) + 1]])[-1]
+        estimate = self._waits(gate, _turn(order[:order.index(waiter) + 1]))[-1]
         if estimate is not None and estimate > bound:
             gate.queue.discard(waiter)
             raise self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate)
