@@ -108,12 +108,13 @@ class LoadStats:
         if duration_s <= 0:
             return
         seqs = decodes = prefill = 0
-        for item in scheduled:
+        for item in scheduled:   # per request per step: plain attribute reads
             seqs += 1
-            if item.samples and item.num_known_tokens == 1:
+            known = item.num_new_tokens - item.num_spec_tokens
+            if item.samples and known == 1:
                 decodes += 1
             else:
-                prefill += item.num_known_tokens
+                prefill += known
         self._fit.add(seqs, prefill, duration_s)
         self._step_s = _ewma(self._step_s, duration_s)
         if decodes:

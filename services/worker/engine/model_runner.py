@@ -258,21 +258,24 @@ class ModelRunner:
         fills in."""
         results: dict[str, StepResult] = {}
         verified = []
-        plain, plain_rows, plain_logit_rows, offset = [], [], [], 0
-        for item, row in zip(items, rows.tolist()):
-            k = item.num_spec_tokens
-            if k == 0:
-                plain.append(item)
-                plain_rows.append(row)
-                plain_logit_rows.append(offset)
-            else:
-                rid = item.request_id
-                try:
-                    results[rid] = self._verify(item, row, logits[offset:offset + k + 1], drafts[rid], masks)
-                except Exception as error:
-                    raise RequestStepError([rid], error) from error
-                verified.append((row, results[rid].token_ids))
-            offset += k + 1
+        if not drafts:   # drafts holds exactly the verifying rows; most steps: none
+            plain, plain_rows, plain_logit_rows = items, rows.tolist(), None
+        else:
+            plain, plain_rows, plain_logit_rows, offset = [], [], [], 0
+            for item, row in zip(items, rows.tolist()):
+                k = item.num_spec_tokens
+                if k == 0:
+                    plain.append(item)
+                    plain_rows.append(row)
+                    plain_logit_rows.append(offset)
+                else:
+                    rid = item.request_id
+                    try:
+                        results[rid] = self._verify(item, row, logits[offset:offset + k + 1], drafts[rid], masks)
+                    except Exception as error:
+                        raise RequestStepError([rid], error) from error
+                    verified.append((row, results[rid].token_ids))
+                offset += k + 1
         pending = PendingStep(results)
         if plain:
             batch = self.batch
@@ -288,7 +291,8 @@ class ModelRunner:
             except Exception as error:
                 raise self._blame(plain, logits, sampling, error) from error
             pending.sampled_ids = [item.request_id for item in plain]
-            pending.tokens = self.batch.append_placeholders(np.array(plain_rows, np.int64))
+            pending.tokens = self.batch.append_placeholders(
+                rows if plain_logit_rows is None else np.array(plain_rows, np.int64))
         for row, tokens in verified:
             self.batch.append(row, tokens)
         return pending
