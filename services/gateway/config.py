@@ -78,6 +78,9 @@ class OverloadConfig:
     workers_poll_s: float = 2.0
     max_queued_per_model: int = 32
     queue_timeout_s: float = 2.0      # a queued request waiting longer is refused
+    # Sooner than queue_timeout_s of contention, a queue counts as standing (the short wait bound)
+    # once, over this window, newcomers keep finding the pool full faster than slots free.
+    sustained_window_s: float = 10.0
     refuse_status: int = 429          # 429 or 503
     retry_after_s: float = 1.0
 
@@ -150,5 +153,7 @@ def validate(cfg: GatewayConfig) -> None:
                           f"got {overload.stream_tokens_per_s}")
     if not 0 <= overload.queue_timeout_s <= 600 or overload.retry_after_s <= 0:
         raise ConfigError("overload: queue_timeout_s must be in [0, 600] seconds and retry_after_s > 0")
+    if not 0 < overload.sustained_window_s <= 600:
+        raise ConfigError(f"overload.sustained_window_s must be in (0, 600] seconds, got {overload.sustained_window_s}")
     if overload.default_output_tokens < 1:
         raise ConfigError("overload.default_output_tokens must be >= 1")

@@ -15,11 +15,12 @@ those are counted apart, so a flood's streams left above a limit that fell do no
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
-absorbing a burst, but only ttft_target_s in a standing queue (every newcomer has had to wait for
-queue_timeout_s on end; it lasts until nobody has been refused for as long) if its organization
-holds slots already and the fair order does not need a waiter of it: under sustained overload,
-waiting longer only makes every first token late (Facebook's controlled-delay queues, "Fail at
-Scale", use the same two bounds). A newcomer whose estimated wait exceeds its bound, or who finds
+absorbing a burst, but in a standing queue only what still lets its first token come within
+ttft_target_s, if its organization holds slots already and the fair order does not need a waiter
+of it: under sustained overload, waiting longer only makes every first token late (Facebook's
+controlled-delay queues, "Fail at Scale", use the same two bounds). A queue stands once every
+newcomer has had to wait for queue_timeout_s on end, or sooner once arrivals outpace the slots
+freed (sustained_window_s); it lasts until nobody has been refused for queue_timeout_s. A newcomer whose estimated wait exceeds its bound, or who finds
 the queue full, is refused at once with that estimate as Retry-After. The wait is read off the
 streams in flight (admission/slot_release.py): each is expected to end at its grant + its answer
 budget at the measured speed, and a waiter whose turn needs n slots freed waits for the n-th end
@@ -35,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Mapping, Sequence
@@ -50,6 +51,8 @@ from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
 
 HOLD_ALPHA = 0.2      # weight of the newest stream in the mean slot hold time
+OUTPACE = 1.5         # arrivals that find the pool full per slot freed that say the overload is sustained
+OUTPACE_MIN = 4       # and at least this many of them in the window
 
 
 class Overloaded(ApiError):
@@ -98,6 +101,24 @@ class _ModelGate:
         self.contended_since: float | None = None   # since when every newcomer has had to wait
         self.standing = False                 # a standing queue: the short wait bound applies
         self.refused_at = float("-inf")       # the last refusal
+        self.found_full = _Recent()            # newcomers that could not be admitted at once
+        self.freed = _Recent()                 # slots freed by streams that ended
+
+
+class _Recent:
+    """The times of the events of the last `window` seconds."""
+
+    def __init__(self) -> None:
+        self._times: deque[float] = deque()
+
+    def add(self, now: float, window: float) -> None:
+        self._times.append(now)
+        self.count(now, window)
+
+    def count(self, now: float, window: float) -> int:
+        while self._times and self._times[0] <= now - window:
+            self._times.popleft()
+        return len(self._times)
 
 
 class OverloadGuard:
@@ -199,6 +220,13 @@ class OverloadGuard:
         backlog = max(0.0, gate.pool.queue_delay_s(sum(gate.since_report)) - self._cfg.ttft_target_s)
         return [at + backlog for at in granted]
 
+    @staticmethod
+    def _estimate(gate: _ModelGate, prompt_tokens: int, granted: bool) -> Estimate | None:
+        """A request's first token and stream speed beside the streams in flight (the report also
+        sees other replicas'), itself left out of them once granted."""
+        running = max(gate.pool.state.running, gate.in_flight - granted)
+        return gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:len(gate.since_report) - granted]))
+
     def _grant(self, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int,
                answer_tokens: int) -> Slot:
         spare = gate.in_flight >= gate.limit
@@ -208,26 +236,41 @@ class OverloadGuard:
         gate.since_report.append(prompt_tokens)
         return gate.releases.take(org, self.clock(), answer_tokens, spare)
 
-    def wait_bound_s(self, model: str, org: str = "") -> float:
-        """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a
-        standing queue if `org` holds slots already and the fair order does not need a waiter of it.
+    def wait_bound_s(self, model: str, org: str = "", first_token_s: float = 0.0) -> float:
+        """How long a request of `org` arriving now may wait: queue_timeout_s, or in a standing queue
+        ttft_target_s less its estimated time from admission to first token (`first_token_s`; at
+        least a quarter of the target, so that a waiter is there when a slot frees) if `org` holds
+        slots already and the fair order does not need a waiter of it.
         One with nothing in flight is not the overload: it waits its turn, first in the fair order.
         Beside other organizations, one with nobody queued, or the one the order serves next, keeps
         the long bound, so that each has a request queued when a slot frees: with every
         organization's newcomers refused alike, slots went to whoever came back first after
         Retry-After and weights 2:1 gave 1.25:1; with only the next one's queued, the others' clients
-        slept out long Retry-Afters and equal weights gave 0.79:1. A queue stands once every newcomer
-        has had to wait for queue_timeout_s on end, and until nobody has been refused for
-        queue_timeout_s (under the short bound the queue empties between arrivals, so its
-        emptiness does not say the overload is over)."""
-        cfg, gate, now = self._cfg, self._gate(model), self.clock()
-        if gate.contended_since is not None and now - gate.contended_since >= cfg.queue_timeout_s:
+        slept out long Retry-Afters and equal weights gave 0.79:1."""
+        cfg, gate = self._cfg, self._gate(model)
+        if self._standing(gate) and gate.org_in_flight[org] > 0 and not gate.queue.needs_waiter(org):
+            short = max(cfg.ttft_target_s / 4, cfg.ttft_target_s - first_token_s)
+            return min(cfg.queue_timeout_s, short)
+        return cfg.queue_timeout_s
+
+    def _standing(self, gate: _ModelGate) -> bool:
+        """A queue stands once every newcomer has had to wait for queue_timeout_s on end, or, after
+        contention of 1.5 sustained windows, while in the last window newcomers found the pool full
+        OUTPACE times as often as slots were freed: more keep coming than leave (a burst's own
+        arrivals, a moment at its onset, have left the window by then, and its clients' retries
+        after Retry-After come about as slots free). bench-load's open loop at 4x capacity waited
+        out the 30 s of the first rule with every admission's first token late. It stands until
+        nobody has been refused for queue_timeout_s (under the short bound the queue empties
+        between arrivals, so its emptiness does not say the overload is over)."""
+        cfg, now = self._cfg, self.clock()
+        contended, window = now - (gate.contended_since or now), cfg.sustained_window_s
+        full = gate.found_full.count(now, window)
+        if gate.contended_since is not None and (contended >= cfg.queue_timeout_s or (
+                contended >= 1.5 * window and full >= OUTPACE_MIN and full >= OUTPACE * gate.freed.count(now, window))):
             gate.standing = True
         elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
             gate.standing = False
-        if gate.standing and gate.org_in_flight[org] > 0 and not gate.queue.needs_waiter(org):
-            return min(cfg.queue_timeout_s, cfg.ttft_target_s)
-        return cfg.queue_timeout_s
+        return gate.standing
 
     def _wake(self, model: str, gate: _ModelGate) -> None:
         while len(gate.queue):
@@ -285,14 +328,14 @@ class OverloadGuard:
             else:
                 if gate.contended_since is None:
                     gate.contended_since = self.clock()
+                gate.found_full.add(self.clock(), cfg.sustained_window_s)
                 slot = await self._queue(model, gate, Waiter(org, weight, priority, cost, prompt_tokens=prompt_tokens,
                                                              answer_tokens=answer_tokens))
         except BaseException:
             gate.queue.leave(org)
             raise
         ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self, _slot=slot)
-        running = max(gate.pool.state.running, gate.in_flight - 1)   # the report also sees other replicas'
-        ticket.estimate = gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:-1]))
+        ticket.estimate = self._estimate(gate, prompt_tokens, granted=True)
         if ticket.estimate is not None:
             hold = ticket.estimate.ttft_s + answer_tokens / ticket.estimate.tokens_per_s
             slot.predicted_hold_s = hold
@@ -308,6 +351,7 @@ class OverloadGuard:
             held = self.clock() - ticket.admitted_at
             gate.hold_s = held if not gate.hold_s else gate.hold_s + HOLD_ALPHA * (held - gate.hold_s)
             gate.releases.free(slot, self.clock())
+            gate.freed.add(self.clock(), cfg.sustained_window_s)
             gate.in_flight -= 1
             self._forget(gate, org)
             gate.queue.leave(org)
@@ -320,7 +364,8 @@ class OverloadGuard:
         if len(gate.queue) >= cfg.max_queued_per_model:
             raise self._refusal(model, waiter.org, "queue full",
                                 self.estimated_wait_s(model, len(gate.queue), waiter.org))
-        bound = self.wait_bound_s(model, waiter.org)
+        first_token = self._estimate(gate, waiter.prompt_tokens, granted=False)
+        bound = self.wait_bound_s(model, waiter.org, first_token.ttft_s if first_token else 0.0)
         started = self.clock()
         waiter.deadline = started + bound
         gate.queue.push(waiter)
@@ -334,7 +379,10 @@ class OverloadGuard:
         queued = self._metrics.queued.labels(model=model)
         queued.inc()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), bound)
+            # Not wait_for: on 3.11 it returns a result that came with the cancellation and drops the
+            # cancellation, which left a disconnected client's task holding the slot it was granted.
+            if not (await asyncio.wait((waiter.future,), timeout=bound))[0]:
+                raise TimeoutError
         except BaseException as e:
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:

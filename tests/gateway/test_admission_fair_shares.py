@@ -5,7 +5,8 @@ tokens. The tokens each organization streams over the second half of the run are
 First come first served would give the organization with more clients more tokens (3:1 here); the
 virtual token counters must give the weights' ratio instead. Also: a waiter whose renewed
 estimate moved past its bound is refused then (not when the bound ran out), and a standing queue
-shortens the bound to the first-token target until refusals stop."""
+(contended for the long bound on end, or arrivals outpacing the slots freed, which a burst's retries do
+not) shortens the bound to the first-token target until refusals stop."""
 
 from __future__ import annotations
 
@@ -115,6 +116,84 @@ async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():
         assert g.wait_bound_s("m") == 0.05                           # within the last 0.2 s
     await asyncio.sleep(0.25)
     assert g.wait_bound_s("m") == 0.2                                # nobody refused for 0.2 s: over
+
+
+class Stream:
+    """A request that holds its slot, once granted, until end()."""
+
+    def __init__(self, g: OverloadGuard):
+        self._done = asyncio.Event()
+        self.task = asyncio.create_task(self._run(g))
+
+    async def _run(self, g: OverloadGuard) -> None:
+        async with g.admit("m"):
+            await self._done.wait()
+
+    async def end(self) -> None:
+        self._done.set()
+        await self.task
+
+
+def sustained_guard(clock: VirtualClock) -> OverloadGuard:
+    return OverloadGuard(OverloadConfig(follow_pool_load=False, max_in_flight_per_model=SLOTS, max_queued_per_model=256,
+                                        queue_timeout_s=30.0, ttft_target_s=1.0, sustained_window_s=10.0),
+                         GatewayMetrics(), clock=clock)
+
+
+async def test_arrivals_outpacing_the_slots_freed_make_a_queue_stand_before_the_long_bound_runs_out():
+    clock = VirtualClock()
+    g = sustained_guard(clock)
+    streams = [Stream(g) for _ in range(SLOTS)]
+    await asyncio.sleep(0)
+    for second in range(15):                             # one newcomer a second, no slot freed
+        streams.append(Stream(g))
+        await asyncio.sleep(0)
+        assert g.wait_bound_s("m") == 30.0, second       # contended < 1.5 windows: maybe a burst
+        clock.t += 1
+    assert g.wait_bound_s("m") == 1.0                    # 15 s on end, 9 in the last window, 0 freed
+    assert g.wait_bound_s("m", first_token_s=0.6) == pytest.approx(0.4)   # what leaves the first token in time
+    assert g.wait_bound_s("m", first_token_s=0.9) == 0.25                 # at least a quarter of the target
+    for s in streams:
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
+
+
+async def test_a_burst_whose_retries_come_as_slots_free_keeps_the_long_bound():
+    clock = VirtualClock()
+    g = sustained_guard(clock)
+    streams = [Stream(g) for _ in range(2 * SLOTS)]      # a burst: all at once, half of it waits
+    await asyncio.sleep(0)
+    clock.t += 16                                        # the burst has left the window, nothing since
+    assert g.wait_bound_s("m") == 30.0
+    for _ in range(12):                                  # then one arrival a second, as a slot frees
+        await streams.pop(0).end()
+        streams.append(Stream(g))
+        await asyncio.sleep(0)
+        clock.t += 1
+        assert g.wait_bound_s("m") == 30.0
+    for s in streams:
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
+
+
+@pytest.mark.parametrize("turns", range(5))
+async def test_a_waiter_cancelled_as_its_slot_is_granted_hands_the_slot_on(turns):
+    g = sustained_guard(VirtualClock())
+    streams = [Stream(g) for _ in range(SLOTS + 1)]
+    await asyncio.sleep(0)
+    holder, waiter = streams[0], streams[-1]
+    holder._done.set()                   # the slot frees as the client goes away, a few turns apart
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    waiter.task.cancel()
+    with pytest.raises(asyncio.CancelledError):    # not a task that goes on, holding the slot
+        await asyncio.wait_for(waiter.task, 5)
+    await holder.task
+    gate = g._gates["m"]
+    assert gate.in_flight == SLOTS - 1 and not len(gate.queue)
+    for s in streams[1:-1]:
+        await s.end()
+    assert gate.in_flight == 0
 
 
 def contextlib_stack(g: OverloadGuard, n: int):

@@ -108,9 +108,9 @@ class LoadStats:
         if duration_s <= 0:
             return
         seqs = decodes = prefill = 0
-        for item in scheduled:   # per request per step: plain attribute reads
+        for item in scheduled:
             seqs += 1
-            known = item.num_new_tokens - item.num_spec_tokens
+            known = item.num_known_tokens
             if item.samples and known == 1:
                 decodes += 1
             else:

@@ -258,8 +258,9 @@ class ModelRunner:
         fills in."""
         results: dict[str, StepResult] = {}
         verified = []
-        if not drafts:   # drafts holds exactly the verifying rows; most steps: none
-            plain, plain_rows, plain_logit_rows = items, rows.tolist(), None
+        all_plain = not drafts   # drafts holds exactly the verifying rows; most steps: none
+        if all_plain:
+            plain, plain_rows, plain_logit_rows = items, rows.tolist(), []
         else:
             plain, plain_rows, plain_logit_rows, offset = [], [], [], 0
             for item, row in zip(items, rows.tolist()):
@@ -292,7 +293,7 @@ class ModelRunner:
                 raise self._blame(plain, logits, sampling, error) from error
             pending.sampled_ids = [item.request_id for item in plain]
             pending.tokens = self.batch.append_placeholders(
-                rows if plain_logit_rows is None else np.array(plain_rows, np.int64))
+                rows if all_plain else np.array(plain_rows, np.int64))
         for row, tokens in verified:
             self.batch.append(row, tokens)
         return pending
