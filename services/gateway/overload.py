@@ -15,13 +15,13 @@ those are counted apart, so a flood's streams left above a limit that fell do no
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
-absorbing a burst, but in a standing queue only what still lets its first token come within
-ttft_target_s, if its organization holds slots already and the fair order does not need a waiter
-of it: under sustained overload, waiting longer only makes every first token late (Facebook's
-controlled-delay queues, "Fail at Scale", use the same two bounds). A queue stands once every
-newcomer has had to wait for queue_timeout_s on end, or sooner once arrivals outpace the slots
-freed (sustained_window_s); it lasts until nobody has been refused for queue_timeout_s. A newcomer whose estimated wait exceeds its bound, or who finds
-the queue full, is refused at once with that estimate as Retry-After. The wait is read off the
+absorbing a burst, but only ttft_target_s in a standing queue, if its organization holds slots
+already and the fair order does not need a waiter of it: under sustained overload, waiting longer
+only makes every first token late (Facebook's controlled-delay queues, "Fail at Scale", use the
+same two bounds). A queue stands once every newcomer has had to wait for queue_timeout_s on end,
+or sooner once arrivals outpace the slots freed (sustained_window_s); it lasts until nobody has
+been refused for queue_timeout_s. A newcomer whose estimated wait exceeds its bound, or who
+finds the queue full, is refused at once with that estimate as Retry-After. The wait is read off the
 streams in flight (admission/slot_release.py): each is expected to end at its grant + its answer
 budget at the measured speed, and a waiter whose turn needs n slots freed waits for the n-th end
 (a replay of _wake on those ends), not n x the mean hold / the limit. The estimate of everyone
@@ -220,13 +220,6 @@ class OverloadGuard:
         backlog = max(0.0, gate.pool.queue_delay_s(sum(gate.since_report)) - self._cfg.ttft_target_s)
         return [at + backlog for at in granted]
 
-    @staticmethod
-    def _estimate(gate: _ModelGate, prompt_tokens: int, granted: bool) -> Estimate | None:
-        """A request's first token and stream speed beside the streams in flight (the report also
-        sees other replicas'), itself left out of them once granted."""
-        running = max(gate.pool.state.running, gate.in_flight - granted)
-        return gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:len(gate.since_report) - granted]))
-
     def _grant(self, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int,
                answer_tokens: int) -> Slot:
         spare = gate.in_flight >= gate.limit
@@ -236,11 +229,9 @@ class OverloadGuard:
         gate.since_report.append(prompt_tokens)
         return gate.releases.take(org, self.clock(), answer_tokens, spare)
 
-    def wait_bound_s(self, model: str, org: str = "", first_token_s: float = 0.0) -> float:
-        """How long a request of `org` arriving now may wait: queue_timeout_s, or in a standing queue
-        ttft_target_s less its estimated time from admission to first token (`first_token_s`; at
-        least a quarter of the target, so that a waiter is there when a slot frees) if `org` holds
-        slots already and the fair order does not need a waiter of it.
+    def wait_bound_s(self, model: str, org: str = "") -> float:
+        """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a
+        standing queue if `org` holds slots already and the fair order does not need a waiter of it.
         One with nothing in flight is not the overload: it waits its turn, first in the fair order.
         Beside other organizations, one with nobody queued, or the one the order serves next, keeps
         the long bound, so that each has a request queued when a slot frees: with every
@@ -249,8 +240,7 @@ class OverloadGuard:
         slept out long Retry-Afters and equal weights gave 0.79:1."""
         cfg, gate = self._cfg, self._gate(model)
         if self._standing(gate) and gate.org_in_flight[org] > 0 and not gate.queue.needs_waiter(org):
-            short = max(cfg.ttft_target_s / 4, cfg.ttft_target_s - first_token_s)
-            return min(cfg.queue_timeout_s, short)
+            return min(cfg.queue_timeout_s, cfg.ttft_target_s)
         return cfg.queue_timeout_s
 
     def _standing(self, gate: _ModelGate) -> bool:
@@ -335,7 +325,8 @@ class OverloadGuard:
             gate.queue.leave(org)
             raise
         ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self, _slot=slot)
-        ticket.estimate = self._estimate(gate, prompt_tokens, granted=True)
+        running = max(gate.pool.state.running, gate.in_flight - 1)   # the report also sees other replicas'
+        ticket.estimate = gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:-1]))
         if ticket.estimate is not None:
             hold = ticket.estimate.ttft_s + answer_tokens / ticket.estimate.tokens_per_s
             slot.predicted_hold_s = hold
@@ -364,8 +355,7 @@ class OverloadGuard:
         if len(gate.queue) >= cfg.max_queued_per_model:
             raise self._refusal(model, waiter.org, "queue full",
                                 self.estimated_wait_s(model, len(gate.queue), waiter.org))
-        first_token = self._estimate(gate, waiter.prompt_tokens, granted=False)
-        bound = self.wait_bound_s(model, waiter.org, first_token.ttft_s if first_token else 0.0)
+        bound = self.wait_bound_s(model, waiter.org)
         started = self.clock()
         waiter.deadline = started + bound
         gate.queue.push(waiter)

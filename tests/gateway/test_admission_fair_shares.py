@@ -6,7 +6,8 @@ First come first served would give the organization with more clients more token
 virtual token counters must give the weights' ratio instead. Also: a waiter whose renewed
 estimate moved past its bound is refused then (not when the bound ran out), and a standing queue
 (contended for the long bound on end, or arrivals outpacing the slots freed, which a burst's retries do
-not) shortens the bound to the first-token target until refusals stop."""
+not) shortens the bound to the first-token target until refusals stop, and a waiter cancelled as its
+slot is granted hands the slot on."""
 
 from __future__ import annotations
 
@@ -151,8 +152,6 @@ async def test_arrivals_outpacing_the_slots_freed_make_a_queue_stand_before_the_
         assert g.wait_bound_s("m") == 30.0, second       # contended < 1.5 windows: maybe a burst
         clock.t += 1
     assert g.wait_bound_s("m") == 1.0                    # 15 s on end, 9 in the last window, 0 freed
-    assert g.wait_bound_s("m", first_token_s=0.6) == pytest.approx(0.4)   # what leaves the first token in time
-    assert g.wait_bound_s("m", first_token_s=0.9) == 0.25                 # at least a quarter of the target
     for s in streams:
         s.task.cancel()
     await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
