@@ -91,7 +91,7 @@ class _ModelGate:
     """Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed;
     releases holds one Slot for each of them."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, window_s: float):
         self.limit = limit
         self.in_flight = 0
         self.queue = FairQueue()
@@ -104,22 +104,23 @@ class _ModelGate:
         self.contended_since: float | None = None   # since when every newcomer has had to wait
         self.standing = False                 # a standing queue: the short wait bound applies
         self.refused_at = float("-inf")       # the last refusal
-        self.found_full = _Recent()            # newcomers that could not be admitted at once
-        self.freed = _Recent()                 # slots freed by streams that ended
+        self.found_full = _Recent(window_s)    # newcomers that could not be admitted at once
+        self.freed = _Recent(window_s)         # slots freed by streams that ended
 
 
 class _Recent:
-    """The times of the events of the last `window` seconds."""
+    """The times of the events of the last window_s seconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
         self._times: deque[float] = deque()
 
-    def add(self, now: float, window: float) -> None:
+    def add(self, now: float) -> None:
         self._times.append(now)
-        self.count(now, window)
+        self.count(now)
 
-    def count(self, now: float, window: float) -> int:
-        while self._times and self._times[0] <= now - window:
+    def count(self, now: float) -> int:
+        while self._times and self._times[0] <= now - self.window_s:
             self._times.popleft()
         return len(self._times)
 
@@ -173,7 +174,7 @@ class OverloadGuard:
     def _gate(self, model: str) -> _ModelGate:
         gate = self._gates.get(model)
         if gate is None:
-            gate = self._gates[model] = _ModelGate(0)
+            gate = self._gates[model] = _ModelGate(0, self._cfg.sustained_window_s)
             gate.limit = self.limit(model)
             self._metrics.overload_limit.labels(model=model).set(gate.limit)
         return gate
@@ -256,14 +257,19 @@ class OverloadGuard:
         nobody has been refused for queue_timeout_s (under the short bound the queue empties
         between arrivals, so its emptiness does not say the overload is over)."""
         cfg, now = self._cfg, self.clock()
-        contended, window = now - (gate.contended_since or now), cfg.sustained_window_s
-        full = gate.found_full.count(now, window)
-        if gate.contended_since is not None and (contended >= cfg.queue_timeout_s or (
-                contended >= 1.5 * window and full >= OUTPACE_MIN and full >= OUTPACE * gate.freed.count(now, window))):
+        contended = None if gate.contended_since is None else now - gate.contended_since
+        if contended is not None and (contended >= cfg.queue_timeout_s or (
+                contended >= 1.5 * cfg.sustained_window_s and self._outpaced(gate, now))):
             gate.standing = True
         elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
             gate.standing = False
         return gate.standing
+
+    @staticmethod
+    def _outpaced(gate: _ModelGate, now: float) -> bool:
+        """In the last window, newcomers found the pool full OUTPACE times as often as slots freed."""
+        full = gate.found_full.count(now)
+        return full >= OUTPACE_MIN and full >= OUTPACE * gate.freed.count(now)
 
     def _wake(self, model: str, gate: _ModelGate) -> None:
         while len(gate.queue):
@@ -321,7 +327,7 @@ class OverloadGuard:
             else:
                 if gate.contended_since is None:
                     gate.contended_since = self.clock()
-                gate.found_full.add(self.clock(), cfg.sustained_window_s)
+                gate.found_full.add(self.clock())
                 slot = await self._queue(model, gate, Waiter(org, weight, priority, cost, prompt_tokens=prompt_tokens,
                                                              answer_tokens=answer_tokens))
         except BaseException:
@@ -345,7 +351,7 @@ class OverloadGuard:
             held = self.clock() - ticket.admitted_at
             gate.hold_s = held if not gate.hold_s else gate.hold_s + HOLD_ALPHA * (held - gate.hold_s)
             gate.releases.free(slot, self.clock())
-            gate.freed.add(self.clock(), cfg.sustained_window_s)
+            gate.freed.add(self.clock())
             gate.in_flight -= 1
             self._forget(gate, org)
             gate.queue.leave(org)
