@@ -119,7 +119,14 @@ async def burst(url: str, key: str, model: str, prompts: list[tuple[str, int]]) 
     """All at once through the openai SDK with its default retries (twice, honouring Retry-After)."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, timeout=600)
+    retry_after_s: list[float] = []      # what each 429 asked for, retried or not
+
+    async def record(response):
+        if response.status_code == 429:
+            retry_after_s.append(float(response.headers.get("retry-after-ms", "nan")) / 1000)
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, timeout=600,
+                                http_client=openai.DefaultAsyncHttpxClient(event_hooks={"response": [record]}))
 
     async def one(prompt: str, max_tokens: int):
         t0, ttft = time.perf_counter(), None
@@ -139,16 +146,24 @@ async def burst(url: str, key: str, model: str, prompts: list[tuple[str, int]]) 
         except openai.APIError as e:
             return f"error {type(e).__name__}", None, 0
 
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(one(p, m) for p, m in prompts))
-    elapsed = time.perf_counter() - t0
+    async with aiohttp.ClientSession() as session:
+        gauges: list[dict] = []
+        sampler = asyncio.create_task(gateway_gauges(session, url, float("inf"), gauges, model))
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p, m) for p, m in prompts))
+        elapsed = time.perf_counter() - t0
+        sampler.cancel()
+        waits = await queue_waits(session, url, model)
     await client.close()
     ok = [r for r in results if r[0] == "ok"]
     tokens = sum(r[2] for r in ok)
     return dict(model=model, requests=len(prompts), served=len(ok), refused=sum(r[0] == "refused" for r in results),
                 errors=sorted({r[0] for r in results} - {"ok", "refused"}), tokens=tokens, seconds=elapsed,
                 tps=tokens / elapsed, requests_per_s=len(ok) / elapsed,
-                ttft_p50=percentile([r[1] for r in ok if r[1]], 50), ttft_p95=percentile([r[1] for r in ok if r[1]], 95))
+                ttft_p50=percentile([r[1] for r in ok if r[1]], 50), ttft_p95=percentile([r[1] for r in ok if r[1]], 95),
+                answered_429=len(retry_after_s), retry_after_p50=percentile(retry_after_s, 50) if retry_after_s else None,
+                retry_after_max=max(retry_after_s, default=None), gateway=gauge_summary(gauges), **waits,
+                gateway_trace=[{**g, "t": round(g["t"] - gauges[0]["t"])} for g in gauges])
 
 
 def transformers_burst(tokenizer, prompts: list[tuple[str, int]]) -> dict:
@@ -200,14 +215,15 @@ def open_loop_row(rate: float, factor: float, results: list[Result], seconds: fl
                 refusals_with_retry_after=sum(r.retry_after for r in refused))
 
 
-async def open_loop(url: str, key: str, prompts, capacity: float, seconds: float, targets: dict) -> dict:
+async def open_loop(url: str, key: str, prompts, capacity: float, seconds: float, targets: dict,
+                    factors: tuple[float, ...] = (0.5, 1, 2, 4)) -> dict:
     rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         unloaded = [await stream_once(session, url, key, MODEL, p, m) for p, m in prompts[:6]]
         unloaded_ttft = percentile([r.ttft_s for r in unloaded if r.ttft_s], 95)
         rows = []
-        for factor in (0.5, 1, 2, 4):
+        for factor in factors:
             results = await poisson(session, url, key, prompts, capacity * factor, seconds, rng)
             rows.append(open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft,
                                       targets["ttft_target_s"], targets["stream_tokens_per_s"]))
@@ -266,23 +282,40 @@ def token_trace(results: dict[str, list[Result]], start: float, end: float, step
     return rows
 
 
-async def gateway_gauges(session: aiohttp.ClientSession, url: str, until: float, samples: list[dict]) -> None:
-    """Every 2 s: the default model's admission limit, streams in flight and waiters."""
+async def model_series(session: aiohttp.ClientSession, url: str, names: dict[str, str], model: str) -> dict:
+    """The gateway's /metrics series `names` (metric name -> key) of one model."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    found = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in names and f'model="{model}"' in rest:
+            found[names[name]] = float(rest.rsplit(" ", 1)[1])
+    return found
+
+
+async def gateway_gauges(session: aiohttp.ClientSession, url: str, until: float, samples: list[dict],
+                         model: str = MODEL) -> None:
+    """Every 2 s: the model's admission limit, streams in flight and waiters."""
     names = {"llmserve_gateway_overload_limit": "limit", "llmserve_gateway_in_flight_requests": "in_flight",
              "llmserve_gateway_queued_requests": "queued"}
     while time.monotonic() < until:
         try:
-            async with session.get(url + "/metrics") as r:
-                text = await r.text()
-            sample = {}
-            for line in text.splitlines():
-                name, _, rest = line.partition("{")
-                if name in names and f'model="{MODEL}"' in rest:
-                    sample[names[name]] = float(rest.rsplit(" ", 1)[1])
-            samples.append(sample)
+            samples.append({"t": round(time.monotonic(), 1), **await model_series(session, url, names, model)})
         except aiohttp.ClientError:
             pass
         await asyncio.sleep(2)
+
+
+async def queue_waits(session: aiohttp.ClientSession, url: str, model: str) -> dict:
+    """The admitted waiters' mean queue wait against its estimate when they were queued (cumulative)."""
+    wait, estimate = "llmserve_gateway_admission_queue_wait_seconds", "llmserve_gateway_admission_queue_wait_estimate_seconds"
+    found = await model_series(session, url, {wait + "_sum": "waited_s", wait + "_count": "queued",
+                                              estimate + "_sum": "estimated_s", estimate + "_count": "estimated"}, model)
+    return dict(queued=int(found.get("queued", 0)),
+                wait_mean_s=found.get("waited_s", 0) / max(1, found.get("queued", 0)),
+                estimated=int(found.get("estimated", 0)),   # the waiters queued with an estimate
+                estimate_mean_s=found.get("estimated_s", 0) / found["estimated"] if found.get("estimated") else None)
 
 
 def gauge_summary(samples: list[dict]) -> dict:
@@ -413,6 +446,16 @@ def render(d: dict) -> str:
         elif llama:
             lines.append(f"| llama-cpp-python server | not measured: {llama.get('error')} | | | | | | |")
         lines.append("")
+        for b in burst:
+            if "answered_429" in b:
+                limit = b.get("gateway", {}).get("limit", {})
+                lines.append(f"- {b['model']}: {b['answered_429']} answers 429 on the way (Retry-After p50 "
+                             f"{_f(b['retry_after_p50'], 1)} s); {b['queued']} requests queued, waiting "
+                             f"{_f(b['wait_mean_s'], 1)} s on average; {b.get('estimated', 'those')} with an estimate "
+                             f"when queued, {_f(b['estimate_mean_s'], 1)} s on average (none before a stream has ended "
+                             f"or been estimated); the limit {limit.get('min', 0):.0f}-{limit.get('max', 0):.0f} streams "
+                             f"(median {limit.get('median', 0):.0f}).")
+        lines.append("")
     loop = d.get("open_loop")
     if loop:
         lines += ["## Open loop: Poisson arrivals at multiples of the burst's measured capacity", "",
@@ -463,15 +506,16 @@ def render(d: dict) -> str:
               "prompt tokens queued in GetLoad; the router passes the reports through ListWorkers.",
               "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
               "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
-              "it, 80% of the peak throughput's worth; the median over the last 9 reports, so one skewed fit does "
-              "not move the limit) and the queued prompts would not push a first token past the TTFT target; the "
+              "it, 80% of the peak throughput's worth; the median of the lines reported over the last 30 s, so a "
+              "fit skewed for a few seconds does not move the limit) and the queued prompts would not push a first token past the TTFT target; the "
               "limit is split between gateway replicas through the Redis heartbeats.",
               "- Beyond that a request waits in a fair queue: priority class first, then organizations by virtual "
               "token counters over their weights. It may wait queue_timeout_s while the pool absorbs a burst, only "
               "the TTFT target once every slot has been taken for queue_timeout_s on end (a standing queue). A "
               "newcomer whose estimated wait (the end of the in-flight stream that frees the slot its turn needs, "
               "each expected at its grant + its answer budget at the measured speed) exceeds "
-              "its bound is refused at once with that estimate as Retry-After; every waiter's estimate is renewed "
+              "its bound is refused at once, with a Retry-After for when that wait would be half its bound (at most "
+              "60 s, the most the openai SDK honours); every waiter's estimate is renewed "
               "when a slot frees, a report arrives or a newcomer is placed ahead, and one that can no longer make "
               "its bound is refused then. The worker's own waiting queue keeps the same weighted fair order by "
               "tokens served.",
@@ -508,6 +552,7 @@ def main() -> None:
                         help="streams per organization in the shares' phases (more than half the pool's limit)")
     parser.add_argument("--parts", default="burst,poisson,fairness,peers")
     parser.add_argument("--capacity", type=float, default=0.5, help="requests/s, when the burst is not run")
+    parser.add_argument("--factors", default="0.5,1,2,4", help="the open loop's rates, as multiples of the capacity")
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python[server] (default: this one)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -534,7 +579,8 @@ def main() -> None:
                     print("burst", json.dumps(row), flush=True)
             capacity = data["burst"][0]["requests_per_s"] if "burst" in data else args.capacity
             if "poisson" in parts:
-                data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, capacity, args.seconds, targets))
+                data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, capacity, args.seconds, targets,
+                                                          tuple(float(f) for f in args.factors.split(","))))
             if "fairness" in parts:
                 data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds, args.share_streams))
         finally:

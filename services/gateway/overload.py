@@ -21,7 +21,8 @@ only makes every first token late (Facebook's controlled-delay queues, "Fail at 
 same two bounds). A queue stands once every newcomer has had to wait for queue_timeout_s on end,
 or sooner once arrivals outpace the slots freed (sustained_window_s); it lasts until nobody has
 been refused for queue_timeout_s. A newcomer whose estimated wait exceeds its bound, or who
-finds the queue full, is refused at once with that estimate as Retry-After. The wait is read off the
+finds the queue full, is refused at once, with a Retry-After for when that wait would be half its
+bound (at most 60 s, the most the openai SDK honours). The wait is read off the
 streams in flight (admission/slot_release.py): each is expected to end at its grant + its answer
 budget at the measured speed, and a waiter whose turn needs n slots freed waits for the n-th end
 (a replay of _wake on those ends), not n x the mean hold / the limit. The estimate of everyone
@@ -161,7 +162,7 @@ class OverloadGuard:
         """Each model's routable workers' last load reports, and the replicas sharing them."""
         for model, found in reports.items():
             gate = self._gate(model)
-            gate.pool.update(found)
+            gate.pool.update(found, self.clock())
             gate.since_report.clear()
         self.set_workers({m: len(r) for m, r in reports.items()}, replicas=replicas)
 
@@ -299,11 +300,19 @@ class OverloadGuard:
             gate.queue.discard(waiter)
             waiter.future.set_exception(self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate))
 
-    def _refusal(self, model: str, org: str, why: str, retry_s: float | None) -> Overloaded:
+    def _refusal(self, model: str, org: str, why: str, wait_s: float | None) -> Overloaded:
+        """Refuses a request whose admission is estimated wait_s away (None: unknown) with a Retry-After
+        for when it would wait half its bound on return: coming back at wait_s, a burst's refused
+        requests slept past the slots freed for them and the pool ran short (the wait is estimated
+        at the slowest expected holds); half the bound is the margin for the estimate's error, as a
+        second refusal spends one of the client's retries."""
+        cfg = self._cfg
         self._gate(model).refused_at = self.clock()
         self._metrics.overload_refusals.labels(model=model).inc()
         self.metrics.decisions.labels(model=model, organization=org, decision="refused").inc()
-        retry_s = min(MAX_RETRY_AFTER_S, max(0.001, retry_s if retry_s is not None else self._cfg.retry_after_s))
+        retry_s = cfg.retry_after_s if wait_s is None else \
+            max(cfg.retry_after_s, wait_s - self.wait_bound_s(model, org) / 2)
+        retry_s = min(MAX_RETRY_AFTER_S, retry_s)
         return Overloaded(self._cfg.refuse_status, f"the model `{model}` is overloaded ({why}); retry shortly",
                           code="overloaded", type="rate_limit_error" if self._cfg.refuse_status == 429 else None,
                           headers={"Retry-After": str(max(1, math.ceil(retry_s))),

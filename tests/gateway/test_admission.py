@@ -15,7 +15,7 @@ import pytest
 from llmserve.config import ConfigError
 from llmserve.v1 import router_pb2, worker_pb2
 from llmserve.v1 import worker_pb2_grpc
-from services.gateway.admission.estimator import PoolEstimator, StepLine
+from services.gateway.admission.estimator import CAPACITY_WINDOW_S, PoolEstimator, StepLine
 from services.gateway.config import GatewayConfig, OverloadConfig, validate
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard, Overloaded
@@ -51,16 +51,22 @@ def test_the_step_line_gives_the_streams_at_a_speed_or_the_knee_when_unreachable
     assert old.step_s(4) == pytest.approx(0.013) and old.step_s(8) > 0.013
 
 
-def test_one_skewed_report_does_not_move_the_capacity_a_lasting_change_does():
-    pool = PoolEstimator()
-    for _ in range(8):
-        pool.update([report(8)])                              # 20 streams a worker at 20 tokens/s
+def test_skewed_reports_do_not_move_the_capacity_a_change_lasting_half_its_window_does():
+    pool, now = PoolEstimator(), 0.0
+    for _ in range(30):                                       # a report every 0.5 s, as make run polls
+        now += 0.5
+        pool.update([report(8)], now)                         # 20 streams a worker at 20 tokens/s
     assert pool.capacity(20.0) == 20
-    pool.update([report(8, base=0.040, per_seq=0.005)])       # one fit says 2
-    assert pool.capacity(20.0) == 20
-    for _ in range(5):
-        pool.update([report(8, base=0.040, per_seq=0.005)])
+    for _ in range(16):                                       # 8 s of fits that say 2: a burst's dip
+        now += 0.5
+        pool.update([report(8, base=0.040, per_seq=0.005)], now)
+        assert pool.capacity(20.0) == 20
+    for _ in range(16):                                       # lasting half the window it counts
+        now += 0.5
+        pool.update([report(8, base=0.040, per_seq=0.005)], now)
     assert pool.capacity(20.0) == 2
+    pool.update([report(8)], now + CAPACITY_WINDOW_S)         # after a quiet window the newest alone
+    assert pool.capacity(20.0) == 20
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +95,10 @@ def test_the_estimate_from_a_real_workers_reports_matches_its_streams(real_worke
         for t in threads:
             t.start()
         time.sleep(0.5)
-        pool.update([real_worker.GetLoad(worker_pb2.GetLoadRequest())])
+        pool.update([real_worker.GetLoad(worker_pb2.GetLoadRequest())], time.monotonic())
         for t in threads:
             t.join(120)
-        pool.update([real_worker.GetLoad(worker_pb2.GetLoadRequest())])
+        pool.update([real_worker.GetLoad(worker_pb2.GetLoadRequest())], time.monotonic())
         measured[batch] = sorted(speeds)[len(speeds) // 2]
     for batch, speed in measured.items():
         estimate = pool.estimate(prompt_tokens=10, streams=batch - 1)

@@ -94,10 +94,10 @@ async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with
         await asyncio.sleep(0.01)
         assert not waiter.done()                         # the next slot frees in 10 s, within 60 s
         g.set_pool({"m": [report(1, base=0.040, per_seq=0.005)]})   # the pool slows: this line gives 2
-        assert g.limit("m") == 11                        # streams at 20 tokens/s, the median of two 11
-        with pytest.raises(Overloaded) as refused:       # 10 of the 20 must end first: 100 s, past the
+        assert g.limit("m") == 2                         # streams at 20 tokens/s (the last line 390 s old)
+        with pytest.raises(Overloaded) as refused:       # 19 of the 20 must end first: 190 s, past the
             await asyncio.wait_for(waiter, 5)            # bound, so refused now, long before the 60 s ran out
-    assert "estimated wait 100" in refused.value.message            # 100 s, but a Retry-After the
+    assert "estimated wait 190" in refused.value.message            # 190 - 60 / 2 s, but a Retry-After the
     assert refused.value.headers["retry-after-ms"] == "60000"       # openai SDK honours (at most 60 s)
     assert refused.value.headers["Retry-After"] == "60"
 

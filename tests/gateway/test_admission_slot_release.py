@@ -151,9 +151,9 @@ async def test_before_any_stream_ended_the_releases_come_from_the_pools_estimate
         assert 15 < wait < 22
 
 
-async def test_a_request_whose_next_release_is_past_its_bound_is_refused_at_once_with_that_release_as_retry_after():
+async def test_a_request_whose_next_release_is_past_its_bound_is_refused_at_once_and_told_when_it_would_wait_half_of_it():
     clock = VirtualClock()
-    g = guard(clock, max_in_flight_per_model=4)
+    g = guard(clock, max_in_flight_per_model=4, queue_timeout_s=30)
     await measure_one_second_a_token(g, clock, "A")
     async with contextlib.AsyncExitStack() as held:
         for budget in (40, 45, 50, 60):
@@ -161,12 +161,12 @@ async def test_a_request_whose_next_release_is_past_its_bound_is_refused_at_once
         with pytest.raises(Overloaded) as refused:           # the fluid 100 s / 4 = 25 s queued it
             await asyncio.wait_for(held.enter_async_context(g.admit("m", org="A")), 1)
         assert refused.value.status == 429 and "estimated wait 40.0s" in refused.value.message
-        assert refused.value.headers["Retry-After"] == "40" and refused.value.headers["retry-after-ms"] == "40000"
+        assert refused.value.headers["Retry-After"] == "25" and refused.value.headers["retry-after-ms"] == "25000"  # 40 - 30 / 2
         await held.enter_async_context(g.admit("m", org="B"))   # nothing in flight: the spare slot
         clock.t += 5
         with pytest.raises(Overloaded) as refused:           # every slot, the spare too: the first frees in 35 s
             await asyncio.wait_for(held.enter_async_context(g.admit("m", org="C", max_tokens=16)), 1)
-        assert refused.value.headers["Retry-After"] == "35"
+        assert refused.value.headers["Retry-After"] == "20"    # 35 - 30 / 2
 
 
 async def test_on_equal_counters_the_organization_holding_fewer_slots_goes_first():

@@ -11,10 +11,12 @@ machine, so their mean line serves the pool. From it:
   workers, plus what this gateway admitted since their report) over the pool's prefill rate, plus
   its own prefill and one step.
 
-The capacity is the median over the last CAPACITY_REPORTS reports' lines, not the last one: a single
-fit skewed by a prefill-heavy step or a neighbour's burst of CPU moved the limit from 50 streams to
-3 and back within seconds (bench-load's burst), so the gateway admitted in waves and starved the
-worker between them.
+The capacity is the median over the lines reported in the last CAPACITY_WINDOW_S seconds, not the
+last one: during a burst the fit swings with the mix of prefill and decode in its steps. Over the
+last 9 reports (4.5 s at make run's polls) bench-load's int8 pool still went 36 -> 9 -> 36 streams
+within 8 s and the float32 pool 64 -> 10 -> 31; the waits estimated under a dip refused 14 queued
+requests, whose clients slept out their Retry-After while the pool sat idle for 26 s. A change that
+lasts half the window moves the capacity.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Sequence
 from llmserve.v1 import worker_pb2
 
 KNEE_SHARE = 0.8
-CAPACITY_REPORTS = 9    # the capacity is the median over this many of the last reports' lines
+CAPACITY_WINDOW_S = 30.0   # the capacity is the median of the lines reported over this many seconds
 PRIOR_PER_SEQ = 0.1     # a report without a fitted line: each further stream adds this share of a batch-1 step
 
 
@@ -97,14 +99,17 @@ class PoolEstimator:
     def __init__(self) -> None:
         self.state = PoolState()
         self.line: StepLine | None = None
-        self._lines: deque[StepLine] = deque(maxlen=CAPACITY_REPORTS)
+        self._lines: deque[tuple[float, StepLine]] = deque()   # (when reported, line), oldest first
 
-    def update(self, reports: Sequence[worker_pb2.LoadReport]) -> None:
+    def update(self, reports: Sequence[worker_pb2.LoadReport], now: float) -> None:
+        """The workers' last reports, read at `now` (monotonic seconds)."""
         self.state = PoolState.of(reports)
         line = StepLine.of(reports)
-        if line is not None:
+        if line is not None:   # a pool gone quiet keeps its lines (an idle worker reports its last fit)
             self.line = line
-            self._lines.append(line)   # a pool gone quiet keeps its lines
+            self._lines.append((now, line))
+        while len(self._lines) > 1 and self._lines[0][0] <= now - CAPACITY_WINDOW_S:
+            self._lines.popleft()
 
     def capacity(self, tokens_per_s: float) -> int | None:
         """Streams the whole pool runs at the speed target (the median of the recent lines'); None
@@ -112,7 +117,7 @@ class PoolEstimator:
         s = self.state
         if not self._lines or not s.workers:
             return None
-        cap = int(statistics.median(line.streams_at(tokens_per_s) for line in self._lines)) * s.workers
+        cap = int(statistics.median(line.streams_at(tokens_per_s) for _, line in self._lines)) * s.workers
         return min(cap, s.max_num_seqs) if s.max_num_seqs else cap
 
     def queue_delay_s(self, extra_prompt_tokens: int = 0) -> float:
