@@ -303,9 +303,9 @@ class OverloadGuard:
     def _refusal(self, model: str, org: str, why: str, wait_s: float | None) -> Overloaded:
         """Refuses a request whose admission is estimated wait_s away (None: unknown) with a Retry-After
         for when it would wait half its bound on return: coming back at wait_s, a burst's refused
-        requests slept past the slots freed for them and the pool ran short (the wait is estimated
-        at the slowest expected holds); half the bound is the margin for the estimate's error, as a
-        second refusal spends one of the client's retries."""
+        requests slept past the slots freed for them and the pool ran short (bench-load's burst
+        waited 12.5 s where 14.6 s was estimated); half the bound is the margin for the estimate's
+        error, as a second refusal spends one of the client's retries."""
         cfg = self._cfg
         self._gate(model).refused_at = self.clock()
         self._metrics.overload_refusals.labels(model=model).inc()
@@ -313,8 +313,8 @@ class OverloadGuard:
         retry_s = cfg.retry_after_s if wait_s is None else \
             max(cfg.retry_after_s, wait_s - self.wait_bound_s(model, org) / 2)
         retry_s = min(MAX_RETRY_AFTER_S, retry_s)
-        return Overloaded(self._cfg.refuse_status, f"the model `{model}` is overloaded ({why}); retry shortly",
-                          code="overloaded", type="rate_limit_error" if self._cfg.refuse_status == 429 else None,
+        return Overloaded(cfg.refuse_status, f"the model `{model}` is overloaded ({why}); retry shortly",
+                          code="overloaded", type="rate_limit_error" if cfg.refuse_status == 429 else None,
                           headers={"Retry-After": str(max(1, math.ceil(retry_s))),
                                    "retry-after-ms": str(int(retry_s * 1000))})
 
