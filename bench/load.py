@@ -122,8 +122,8 @@ async def burst(url: str, key: str, model: str, prompts: list[tuple[str, int]]) 
     retry_after_s: list[float] = []      # what each 429 asked for, retried or not
 
     async def record(response):
-        if response.status_code == 429:
-            retry_after_s.append(float(response.headers.get("retry-after-ms", "nan")) / 1000)
+        if response.status_code == 429 and "retry-after-ms" in response.headers:
+            retry_after_s.append(float(response.headers["retry-after-ms"]) / 1000)
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, timeout=600,
                                 http_client=openai.DefaultAsyncHttpxClient(event_hooks={"response": [record]}))
@@ -507,8 +507,9 @@ def render(d: dict) -> str:
               "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
               "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
               "it, 80% of the peak throughput's worth; the median of the lines reported over the last 30 s, so a "
-              "fit skewed for a few seconds does not move the limit) and the queued prompts would not push a first token past the TTFT target; the "
-              "limit is split between gateway replicas through the Redis heartbeats.",
+              "fit skewed for a few seconds does not move the limit) and the queued prompts would not push a first "
+              "token past the TTFT target; the limit is split between gateway replicas through the Redis "
+              "heartbeats.",
               "- Beyond that a request waits in a fair queue: priority class first, then organizations by virtual "
               "token counters over their weights. It may wait queue_timeout_s while the pool absorbs a burst, only "
               "the TTFT target once every slot has been taken for queue_timeout_s on end (a standing queue). A "

@@ -97,8 +97,8 @@ async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with
         assert g.limit("m") == 2                         # streams at 20 tokens/s (the last line 390 s old)
         with pytest.raises(Overloaded) as refused:       # 19 of the 20 must end first: 190 s, past the
             await asyncio.wait_for(waiter, 5)            # bound, so refused now, long before the 60 s ran out
-    assert "estimated wait 190" in refused.value.message            # 190 - 60 / 2 s, but a Retry-After the
-    assert refused.value.headers["retry-after-ms"] == "60000"       # openai SDK honours (at most 60 s)
+    assert "estimated wait 190" in refused.value.message            # back in 190 - 60 / 2 = 160 s, capped at
+    assert refused.value.headers["retry-after-ms"] == "60000"       # what the openai SDK honours (60 s)
     assert refused.value.headers["Retry-After"] == "60"
 
 
