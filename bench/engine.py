@@ -3,7 +3,8 @@
 1. Mixed workload: 48 requests arriving together, prompts of 20-600 tokens, outputs of 16-256,
    through our engine (continuous batching) and through transformers' generate in static
    batches of 8 on the same prompts and lengths. Output tokens/s of both and the ratio; TTFT and
-   inter-token latency percentiles of ours.
+   inter-token latency percentiles of ours. Where the CPU attention kernel is built, ours runs a
+   second time on the PyTorch reference attention (the kernel's speed-up in the same run).
 2. Batch-1 decode tokens/s against the floor set by the model's bytes over the measured memory
    bandwidth, with float32 weights and with int8 weights (model.quantization=int8).
 3. 16 concurrent chat streams through a real worker process over gRPC, float32 and int8 weights
@@ -36,6 +37,7 @@ import torch
 
 from bench.host_step import report_host_time
 from bench.timing import TokenTimeline, percentile
+from services.worker.attention.cpu import kernel as cpu_kernel
 from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.engine.build import build_engine
 from services.worker.engine.sampling_params import Constraint, SamplingParams
@@ -74,6 +76,14 @@ def run_ours(engine, requests) -> dict:
     return dict(tokens=timeline.tokens, seconds=elapsed, tps=timeline.tokens / elapsed,
                 ttft_p50=percentile(ttft, 50), ttft_p95=percentile(ttft, 95),
                 itl_p50=percentile(gaps, 50), itl_p95=percentile(gaps, 95))
+
+
+def print_ours(label: str, ours: dict, attention: str, ours_tps: float | None = None) -> None:
+    """One line per run of our engine; the reference attention's ends with the kernel's speed-up."""
+    versus = f"; the CPU kernel {ours_tps / ours['tps']:.2f}x" if ours_tps else ""
+    print(f"{label} {ours['tokens']} tokens in {ours['seconds']:.1f}s = {ours['tps']:.1f} tok/s  "
+          f"TTFT p50 {ours['ttft_p50']:.2f}s p95 {ours['ttft_p95']:.2f}s  ITL p50 {ours['itl_p50']*1e3:.0f}ms "
+          f"p95 {ours['itl_p95']*1e3:.0f}ms  ({attention} attention{versus})", flush=True)
 
 
 def run_transformers(hf_model, requests, batch_size: int = 8, pad_id: int = 2) -> dict:
@@ -377,9 +387,13 @@ def main() -> None:
         requests = [(ids[:60], min(olen, 24)) for ids, olen in requests]
     print(f"# bench-engine  {time.strftime('%Y-%m-%d %H:%M')}  torch threads {torch.get_num_threads()}")
     ours = run_ours(engine, requests)
-    print(f"ours          {ours['tokens']} tokens in {ours['seconds']:.1f}s = {ours['tps']:.1f} tok/s  "
-          f"TTFT p50 {ours['ttft_p50']:.2f}s p95 {ours['ttft_p95']:.2f}s  ITL p50 {ours['itl_p50']*1e3:.0f}ms "
-          f"p95 {ours['itl_p95']*1e3:.0f}ms")
+    with_kernel = cpu_kernel.load() is not None
+    print_ours("ours         ", ours, "cpu" if with_kernel else "torch")
+    if with_kernel and not args.quick:   # the C kernel against the reference, same run
+        reference = build_engine(ModelSourceConfig(), EngineConfig(num_blocks=2048, max_num_batched_tokens=1024,
+                                                                   max_num_seqs=64, attention_backend="torch"))
+        print_ours("  reference  ", run_ours(reference.engine, requests), "torch", ours["tps"])
+        del reference
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 

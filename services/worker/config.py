@@ -41,7 +41,7 @@ class EngineConfig:
     # window go back to the pool while a request runs. Off by default for now: it trades prefix-cache
     # hits on those early blocks (freed sooner, so evicted sooner) for concurrency.
     release_window_blocks: bool = False
-    attention_backend: str = "auto"   # auto | torch | triton
+    attention_backend: str = "auto"   # auto | cpu | torch | triton
     # Decode steps of up to this many sequences replay CUDA graphs (Triton backend; captured on
     # CUDA at start, padded but eager elsewhere); 0 turns them off.
     cuda_graph_max_batch: int = 256

@@ -162,6 +162,7 @@ def test_torch_path_matches_transformers_sparse_moe_block(family):
 def test_select_moe_backend():
     cpu = torch.device("cpu")
     assert select_moe_backend("auto", cpu).name == "torch"
+    assert select_moe_backend("cpu", cpu).name == "torch"   # the CPU attention backend's MoE
     assert select_moe_backend("triton", cpu).name == "triton"
     with pytest.raises(ValueError, match="unknown MoE backend"):
         select_moe_backend("cutlass", cpu)

@@ -1,11 +1,14 @@
-"""The PyTorch paged-attention reference against naive dense causal attention computed from each
-sequence's own keys and values (never from the cache), in float64."""
+"""The PyTorch paged-attention reference, and the CPU backend (its C kernel for short query rows),
+against naive dense causal attention computed from each sequence's own keys and values (never
+from the cache), in float64."""
 
 import math
 
 import pytest
 import torch
 
+from services.worker.attention.cpu import kernel
+from services.worker.attention.cpu.backend import CpuPagedAttention
 from services.worker.attention.torch_paged import TorchPagedAttention
 from tests.worker.paged_batches import make_batch, poisoned_like
 
@@ -34,6 +37,15 @@ def dense_causal_attention(batch, scale: float, window: int | None = None) -> to
     return out
 
 
+def cpu_backend() -> CpuPagedAttention:
+    """The CPU backend with its kernel built (the test machines have a C compiler: no fallback)."""
+    paged_kernel = kernel.load()
+    assert paged_kernel is not None, "the CPU paged-attention kernel did not build"
+    return CpuPagedAttention(paged_kernel)
+
+
+BACKENDS = {"torch": TorchPagedAttention, "cpu": cpu_backend}
+
 CASES = {
     # (cached, new) per sequence
     "decode": [(15, 1), (32, 1), (0, 1), (47, 1)],
@@ -47,24 +59,26 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 16), (9, 3, 32), (8, 1, 16)])
-def test_reference_matches_dense_attention(case, num_heads, num_kv_heads, block_size):
+def test_reference_matches_dense_attention(backend, case, num_heads, num_kv_heads, block_size):
     batch = make_batch(CASES[case], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
                        block_size=block_size, shared_blocks=1, seed=len(case) + num_heads)
     scale = 1 / math.sqrt(16)
-    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
-                                       batch.meta, scale)
+    out = BACKENDS[backend]().attend(batch.query, batch.key_cache, batch.value_cache,
+                                     batch.meta, scale)
     expected = dense_causal_attention(batch, scale)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_reference_ignores_garbage_past_each_sequence():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reference_ignores_garbage_past_each_sequence(backend):
     """Unused slots hold NaN (make_batch); a decode batch of unequal lengths pads its gather with
     them, and they must not leak into the result."""
     batch = make_batch([(3, 1), (40, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
     assert torch.isnan(batch.key_cache).any()
-    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
+    out = BACKENDS[backend]().attend(batch.query, batch.key_cache, batch.value_cache,
                                        batch.meta, 0.25)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25))
@@ -120,23 +134,25 @@ WINDOW_CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", WINDOW_CASES)
 @pytest.mark.parametrize("window", [1, 5, 16, 17, 32, 200])
-def test_reference_sliding_window_matches_dense_attention(case, window):
+def test_reference_sliding_window_matches_dense_attention(backend, case, window):
     batch = make_batch(WINDOW_CASES[case], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                        shared_blocks=1, seed=window)
-    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
+    out = BACKENDS[backend]().attend(batch.query, batch.key_cache, batch.value_cache,
                                        batch.meta, 0.25, window=window)
     torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25, window),
                                atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_and_global_layers_share_one_metadata():
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sliding_and_global_layers_share_one_metadata(name):
     """Gemma 3 interleaves windowed and global layers over one pass's metadata: each keeps its own
     plan, and a window wider than every context is the same as none."""
     batch = make_batch(WINDOW_CASES["mixed"], num_heads=4, num_kv_heads=2, head_dim=16,
                        block_size=16, seed=1)
-    backend = TorchPagedAttention()
+    backend = BACKENDS[name]()
     args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.25)
     for _ in range(2):
         local, full = backend.attend(*args, window=8), backend.attend(*args)
@@ -144,11 +160,12 @@ def test_sliding_and_global_layers_share_one_metadata():
                                    atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(full.double(), dense_causal_attention(batch, 0.25),
                                    atol=1e-5, rtol=1e-5)
-    assert set(batch.meta.plans) == {("torch", 8), ("torch", None)}
+    assert set(batch.meta.plans) == {(name, 8), (name, None)}
     torch.testing.assert_close(backend.attend(*args, window=10**6), full)
 
 
-def test_sliding_window_never_reads_blocks_before_the_window():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_never_reads_blocks_before_the_window(backend):
     """A block wholly before the window of a sequence's first query row may have gone back to the
     pool and hold anything: poison it and the result must not change."""
     batch = make_batch([(70, 1), (40, 9)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
@@ -157,16 +174,17 @@ def test_sliding_window_never_reads_blocks_before_the_window():
         for b in range(first_block // 16):
             batch.key_cache[tables[s, b]] = float("nan")
             batch.value_cache[tables[s, b]] = float("nan")
-    out = TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache,
-                                       batch.meta, 0.25, window=20)
+    out = BACKENDS[backend]().attend(batch.query, batch.key_cache, batch.value_cache,
+                                     batch.meta, 0.25, window=20)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25, 20),
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("window", [0, -3, 2.5])
-def test_bad_window_raises(window):
+def test_bad_window_raises(backend, window):
     batch = make_batch([(5, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
     with pytest.raises(ValueError, match="sliding window"):
-        TorchPagedAttention().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta,
-                                     0.25, window=window)
+        BACKENDS[backend]().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                                   0.25, window=window)

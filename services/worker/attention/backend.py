@@ -5,8 +5,8 @@ new queries over each sequence's paged context: the whole causal context, or wit
 window of W only the last W positions up to and including the query's own (a query at position
 p sees p - W + 1 .. p, transformers' `kv_idx > q_idx - sliding_window`). The window is a
 per-layer argument (Gemma 3 mixes sliding and global layers; every layer shares one metadata).
-The PyTorch backend is the reference and the CPU path; the Triton backend is the GPU path and
-must match it. Neither reads cache blocks that lie wholly before the window of a sequence's
+The PyTorch backend is the reference; the CPU backend runs decode rows in a C kernel and the
+rest as the reference does; the Triton backend is the GPU path. Both must match the reference. Neither reads cache blocks that lie wholly before the window of a sequence's
 first query row, so such blocks may be reused by other sequences.
 """
 
@@ -33,13 +33,17 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'auto' picks Triton on CUDA and the PyTorch reference elsewhere."""
+    """'auto' picks Triton on CUDA and the CPU backend elsewhere (which keeps to the reference
+    where its kernel cannot be built)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        from services.worker.attention.cpu.backend import CpuPagedAttention
+        return CpuPagedAttention()
     if name == "torch":
         from services.worker.attention.torch_paged import TorchPagedAttention
         return TorchPagedAttention()
     if name == "triton":
         from services.worker.attention.triton.backend import TritonPagedAttention
         return TritonPagedAttention()
-    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")
+    raise ValueError(f"unknown attention backend {name!r} (auto, cpu, torch, triton)")

@@ -36,18 +36,24 @@ class TorchPagedAttention:
         plan = meta.plans.get(key)
         if plan is None:
             check_window(window)
-            plan = meta.plans[key] = _Plan(meta, query.device, window)
+            plan = meta.plans[key] = GroupPlan(meta, query.device, window)
         out = torch.empty_like(query)
-        for rows, blocks, pad, mask in plan.groups:
-            batch, q_len = mask.shape[0], mask.shape[2]
-            keys, values = plan.gather(key_cache, value_cache, blocks, batch, pad)
-            q = query[rows].view(batch, q_len, *query.shape[1:]).transpose(1, 2)
-            o = _attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
-            out[rows] = o.transpose(1, 2).reshape(len(rows), *query.shape[1:])
+        attend_groups(plan, query, key_cache, value_cache, scale, out)
         return out
 
 
-class _Plan:
+def attend_groups(plan: GroupPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  scale: float, out: torch.Tensor) -> None:
+    """The plan's groups of rows, each gathered and attended in one padded batch, into out."""
+    for rows, blocks, pad, mask in plan.groups:
+        batch, q_len = mask.shape[0], mask.shape[2]
+        keys, values = plan.gather(key_cache, value_cache, blocks, batch, pad)
+        q = query[rows].view(batch, q_len, *query.shape[1:]).transpose(1, 2)
+        o = _attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
+        out[rows] = o.transpose(1, 2).reshape(len(rows), *query.shape[1:])
+
+
+class GroupPlan:
     """Gather indices and masks of one forward pass, built once and used by every layer.
 
     Sequences are attended in groups, each gathered into one padded view under a causal mask
@@ -56,14 +62,17 @@ class _Plan:
     group; a longer one (a prefill chunk) is a group of its own, so no padding multiplies its mask.
     """
 
-    def __init__(self, meta: AttentionMetadata, device: torch.device, window: int | None) -> None:
+    def __init__(self, meta: AttentionMetadata, device: torch.device, window: int | None,
+                 short_queries: bool = True) -> None:
+        """short_queries=False plans the long sequences only (another kernel takes the others)."""
         starts = _cumsum(meta.query_lens_cpu)
         tables = meta.block_tables.to(device=device, dtype=torch.long)
         by_q_len: dict[int, list[int]] = {}
         groups = []
         for s, q_len in enumerate(meta.query_lens_cpu):
             if q_len <= MAX_SHORT_QUERY:
-                by_q_len.setdefault(q_len, []).append(s)
+                if short_queries:
+                    by_q_len.setdefault(q_len, []).append(s)
             else:
                 groups.append([s])
         # With a window, what a row gathers is at most window + q_len - 1 positions.

@@ -53,13 +53,14 @@ def check_moe_args(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up:
 
 
 def select_moe_backend(name: str, device: torch.device) -> FusedMoE:
-    """'auto' picks Triton on CUDA and PyTorch elsewhere, as select_backend does for attention."""
+    """'auto' picks Triton on CUDA and PyTorch elsewhere, as select_backend does for attention;
+    'cpu' (the CPU attention backend's name, which the model passes on) is PyTorch's experts too."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
+    if name in ("torch", "cpu"):
         from services.worker.moe.torch_moe import TorchFusedMoE
         return TorchFusedMoE()
     if name == "triton":
         from services.worker.moe.triton_moe import TritonFusedMoE
         return TritonFusedMoE()
-    raise ValueError(f"unknown MoE backend {name!r} (auto, torch, triton)")
+    raise ValueError(f"unknown MoE backend {name!r} (auto, cpu, torch, triton)")
