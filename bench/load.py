@@ -501,9 +501,11 @@ def render(d: dict) -> str:
                              "A/B: " + ", ".join(f"{row['A']}/{row['B']}" for row in r["trace"]))
         lines.append("")
     lines += ["## How admission decides", "",
-              "- Each worker fits its step time, step = base + per_seq x sequences + per prompt token, over its "
-              "recent steps (services/worker/engine/load_stats.py) and reports the line, its prefill rate and the "
-              "prompt tokens queued in GetLoad; the router passes the reports through ListWorkers.",
+              "- Each worker fits its decode step time, step = base + per_seq x sequences, over its recent "
+              "decode-only steps (services/worker/engine/load_stats.py; a prefilling step's time, less the line's "
+              "share, gives the prefill rate) and reports the line, its prefill rate and the prompt tokens queued "
+              "in GetLoad; the router passes the reports through ListWorkers. Before a worker's first decode-only "
+              "step there is no line, and the limit is the configured per-worker fallback.",
               "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
               "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
               "it, 80% of the peak throughput's worth; the median of the lines reported over the last 30 s, so a "

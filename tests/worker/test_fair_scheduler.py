@@ -14,6 +14,7 @@ from llmserve.v1 import worker_pb2_grpc
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.kv_cache_manager import KVCacheManager
+from services.worker.engine.load_stats import LoadStats
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
@@ -178,15 +179,46 @@ def test_worker_refuses_a_bad_tenant_weight(stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant_weight" in e.value.details()
 
 
-def test_the_step_fit_recovers_base_per_sequence_and_prefill_costs():
-    from services.worker.engine.load_stats import _StepFit
-    fit = _StepFit()
+class _Item:
+    """What LoadStats reads of a scheduled request: a decode (one known token, sampled) or a chunk."""
+
+    def __init__(self, prompt_tokens: int = 0) -> None:
+        self.samples, self.num_known_tokens = prompt_tokens == 0, max(1, prompt_tokens)
+
+
+def _idle_scheduler() -> Scheduler:
+    return Scheduler(SchedulerConfig(8, 64), KVCacheManager(BlockPool(8), 16, enable_prefix_caching=True))
+
+
+def _step(stats, decodes: int, prompt_tokens: int, seconds: float) -> None:
+    stats.record([_Item() for _ in range(decodes)] + ([_Item(prompt_tokens)] if prompt_tokens else []), seconds)
+
+
+def test_the_decode_line_comes_from_decode_only_steps_and_prefill_from_the_rest():
+    stats, idle = LoadStats(), _idle_scheduler()
     for i in range(200):
-        seqs, prompt = (1, 2, 4, 8, 16)[i % 5], (0, 0, 64, 0, 256, 0, 0)[i % 7]
-        fit.add(seqs, prompt, 0.010 + 0.002 * seqs + 0.0005 * prompt)
-    assert fit.solve(0) == pytest.approx((0.010, 0.002, 0.0005))
-    one = _StepFit()
+        decodes = (1, 2, 4, 8, 16)[i % 5]
+        _step(stats, decodes, 0, 0.010 + 0.002 * decodes)
+        if i % 7 == 0:   # a chunk of 256 prompt tokens beside the decodes: 0.5 ms a token
+            _step(stats, decodes, 256, 0.010 + 0.002 * (decodes + 1) + 0.0005 * 256)
+    snap = stats.snapshot(idle)
+    assert (snap.decode_step_base_s, snap.decode_step_per_seq_s) == (pytest.approx(0.010), pytest.approx(0.002))
+    # the prefill rate nets out the decode line's share of the step (not the chunk's own row)
+    assert snap.prefill_tokens_per_s == pytest.approx(256 / (0.002 + 0.0005 * 256), rel=1e-6)
+
+
+def test_a_burst_of_prefill_moves_neither_the_decode_line_nor_its_prior():
+    """bench-load's burst: every step prefills for 20-30 s. Those steps' time is the prompts'."""
+    stats, idle = LoadStats(), _idle_scheduler()
+    _step(stats, 4, 512, 1.2)
+    assert stats.snapshot(idle).decode_step_base_s == 0     # no decode-only step yet: no line
     for _ in range(20):
-        one.add(4, 0, 0.013)                 # one batch size: the prior splits the step at 4
-    base, per_seq, _ = one.solve(0)
+        _step(stats, 4, 0, 0.013)                           # one batch size: the prior splits the step at 4
+    snap = stats.snapshot(idle)
+    base, per_seq = snap.decode_step_base_s, snap.decode_step_per_seq_s
     assert base + 4 * per_seq == pytest.approx(0.013) and per_seq == pytest.approx(0.1 * (base + per_seq))
+    for decodes in range(4, 30):
+        _step(stats, decodes, 1024, 1.6)                    # 1.6 s steps of 1024 prompt tokens
+    after = stats.snapshot(idle)
+    assert (after.decode_step_base_s, after.decode_step_per_seq_s) == (base, per_seq)
+    assert after.decode_tokens_per_s < 1                    # what the streams got meanwhile

@@ -1,8 +1,8 @@
 """What a model's pool can serve, from its workers' load reports.
 
-Each worker reports its fitted decode step time, step(B) = base + per_seq x B for B sequences
-(services/worker/engine/load_stats.py); workers of one pool run the same model on the same kind of
-machine, so their mean line serves the pool. From it:
+Each worker reports its decode step time fitted over its decode-only steps, step(B) = base +
+per_seq x B for B sequences (services/worker/engine/load_stats.py); workers of one pool run the
+same model on the same kind of machine, so their mean line serves the pool. From it:
 - streams a worker runs while each still gets the speed target: the largest B with
   1 / step(B) >= target. Where even one stream misses the target (a slow or busy machine) the
   target cannot be met, and the worker runs KNEE_SHARE of its peak throughput's worth of streams
@@ -30,7 +30,6 @@ from llmserve.v1 import worker_pb2
 
 KNEE_SHARE = 0.8
 CAPACITY_WINDOW_S = 30.0   # the capacity is the median of the lines reported over this many seconds
-PRIOR_PER_SEQ = 0.1     # a report without a fitted line: each further stream adds this share of a batch-1 step
 
 
 @dataclass(frozen=True)
@@ -42,17 +41,14 @@ class PoolState:
     waiting_prompt_tokens: int = 0
     max_num_seqs: int = 0              # summed running caps
     prefill_tokens_per_s: float = 0.0  # summed
-    decode_tokens_per_s: float = 0.0   # per stream, mean over workers that decode
 
     @classmethod
     def of(cls, reports: Sequence[worker_pb2.LoadReport]) -> "PoolState":
-        speeds = [r.decode_tokens_per_s for r in reports if r.decode_tokens_per_s > 0]
         return cls(workers=len(reports), running=sum(r.running for r in reports),
                    waiting=sum(r.waiting for r in reports),
                    waiting_prompt_tokens=sum(r.waiting_prompt_tokens for r in reports),
                    max_num_seqs=sum(r.max_num_seqs for r in reports),
-                   prefill_tokens_per_s=sum(r.prefill_tokens_per_s for r in reports),
-                   decode_tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0)
+                   prefill_tokens_per_s=sum(r.prefill_tokens_per_s for r in reports))
 
 
 @dataclass(frozen=True)
@@ -63,17 +59,15 @@ class StepLine:
 
     @classmethod
     def of(cls, reports: Sequence[worker_pb2.LoadReport]) -> "StepLine | None":
+        """The mean of the workers' decode lines; None while none has run a decode-only step. No
+        line is guessed from the speed streams got: before the first decode-only step that speed is
+        a burst's prefill's (0.6 tokens/s at 29 streams in bench-load), and a line from it said 2-3
+        streams where the worker ran 32 at 5 tokens/s a few seconds later."""
         fitted = [r for r in reports if r.decode_step_base_s > 0]
-        if fitted:
-            return cls(sum(r.decode_step_base_s for r in fitted) / len(fitted),
-                       sum(r.decode_step_per_seq_s for r in fitted) / len(fitted))
-        measured = [r for r in reports if r.decode_tokens_per_s > 0]
-        if not measured:
+        if not fitted:
             return None
-        batch = max(1.0, sum(r.running for r in measured) / len(measured))
-        step = sum(1 / r.decode_tokens_per_s for r in measured) / len(measured)
-        s1 = step / (1 + PRIOR_PER_SEQ * (batch - 1))
-        return cls(s1 * (1 - PRIOR_PER_SEQ), s1 * PRIOR_PER_SEQ)
+        return cls(sum(r.decode_step_base_s for r in fitted) / len(fitted),
+                   sum(r.decode_step_per_seq_s for r in fitted) / len(fitted))
 
     def step_s(self, batch: float) -> float:
         return self.base + self.per_seq * max(1.0, batch)

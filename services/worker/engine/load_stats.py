@@ -1,15 +1,21 @@
-"""What the engine reports for admission: its step time as a function of the batch, recent speeds,
-and the prompt work queued.
+"""What the engine reports for admission: its decode step time as a function of the batch, recent
+speeds, and the prompt work queued.
 
-Every executed step is a sample (sequences in it, prompt tokens it computed, wall time). A least
-squares fit over the samples, older ones decayed, gives step = base + per_seq x sequences +
-per_prefill_token x prompt tokens: the speed one more stream would get is 1 / (base + per_seq x
-(running + 1)). While the samples do not vary enough to tell the terms apart (every step the same
-batch, say), a term falls back to a prior: each further sequence costs PRIOR_PER_SEQ of a batch-1
-step (decode reads the weights once for the whole batch), a prompt token what the recent prefill
-rate says. Moving averages (ALPHA) of the step time, of what one stream gets, and of the prefill
-rate are reported beside the fit. An idle engine keeps its last figures: they describe the engine
-when the next request comes.
+Every executed step is a sample (sequences in it, prompt tokens it computed, wall time). The
+decode line, step = base + per_seq x sequences, is a least-squares fit over the steps that only
+decode (older ones decayed): the speed one more stream would get is 1 / (base + per_seq x (running
++ 1)). Steps that prefill are kept out of it. In a burst's first 20-30 s nearly every step
+prefills, and a fit over all steps (with a term per prompt token) put the prompts' time into base
+and per_seq: bench-load's float32 worker reported 0.27 s + 0.06 s a sequence, 3 streams at 2
+tokens/s, while its decode steps took about 0.2 s at 32; the gateway's limit followed it down
+and refused queued requests. A prefilling step's time less the decode line's share at its
+decoding sequences is its prompt tokens', which gives the prefill rate (decayed sums of tokens
+over seconds). While the decode steps do not vary enough to tell base from per_seq (every step
+the same batch, say), or the noise bends the fit below zero, each further sequence costs
+PRIOR_PER_SEQ of a batch-1 step (decode reads the weights once for the whole batch). Moving
+averages (ALPHA) of the step time and of what one stream gets (prefill included) are reported
+beside. An idle engine keeps its last figures: they describe the engine when the next request
+comes; one that has not run a decode-only step yet reports no line.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ if TYPE_CHECKING:
     from services.worker.engine.scheduler import ScheduledRequest, Scheduler
 
 ALPHA = 0.1
-DECAY = 0.99               # weight of older samples in the fit, per step
+DECAY = 0.99               # weight of older decode steps in the line, per decode step
+PREFILL_DECAY = 0.9        # weight of older prefilling steps in the prefill rate, per such step
 PRIOR_PER_SEQ = 0.1
-MIN_SPREAD = (0.25, 4.0)   # variance the sequences and the prompt tokens need before they are fitted
+MIN_SPREAD = 0.25          # variance of the batch sizes the line needs before its slope is fitted
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,7 @@ class LoadSnapshot:
     step_time_s: float = 0.0         # 0 until a step has run
     decode_tokens_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
-    decode_step_base_s: float = 0.0  # the fit; 0 until a step has run
+    decode_step_base_s: float = 0.0  # the decode line; 0 until a decode-only step has run
     decode_step_per_seq_s: float = 0.0
 
 
@@ -40,68 +47,41 @@ def _ewma(old: float, new: float) -> float:
     return new if old == 0.0 else old + ALPHA * (new - old)
 
 
-class _StepFit:
-    """Decayed normal equations of y = c0 + c1 x1 + c2 x2."""
+class _LineFit:
+    """Decayed least squares of y = base + per_seq x."""
 
     def __init__(self) -> None:
-        self.m = [[0.0] * 3 for _ in range(3)]
-        self.v = [0.0] * 3
+        self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
 
-    def add(self, x1: float, x2: float, y: float) -> None:
-        row = (1.0, x1, x2)
-        for i in range(3):
-            self.v[i] = self.v[i] * DECAY + row[i] * y
-            for j in range(3):
-                self.m[i][j] = self.m[i][j] * DECAY + row[i] * row[j]
+    def add(self, x: float, y: float) -> None:
+        self.n = self.n * DECAY + 1.0
+        self.sx = self.sx * DECAY + x
+        self.sxx = self.sxx * DECAY + x * x
+        self.sy = self.sy * DECAY + y
+        self.sxy = self.sxy * DECAY + x * y
 
-    def solve(self, prefill_rate: float) -> tuple[float, float, float] | None:
-        n = self.m[0][0]
-        if n == 0:
+    def solve(self) -> tuple[float, float] | None:
+        """(base, per_seq), or None before any sample."""
+        if self.n == 0:
             return None
-        mean = [self.m[0][i] / n for i in range(3)]
-        spread = [self.m[i][i] / n - mean[i] ** 2 for i in (1, 2)]
-        fitted = [i for i, s in zip((1, 2), spread) if s >= MIN_SPREAD[i - 1]]
-        fixed = {k: 0.0 for k in (1, 2) if k not in fitted}
-        if 2 in fixed and prefill_rate > 0:
-            fixed[2] = 1 / prefill_rate
-        active = [0] + fitted
-        # Move the fixed terms to the right-hand side and solve the rest (Gaussian elimination).
-        a = [[self.m[i][j] for j in active] for i in active]
-        b = [self.v[i] - sum(self.m[i][k] * c for k, c in fixed.items()) for i in active]
-        coef = _solve(a, b)
-        if coef is None:
-            return None
-        c = fixed | dict(zip(active, coef))
-        if 1 not in fitted:   # one batch size B: c0 is the step at B; PRIOR_PER_SEQ of s1 per sequence
-            s1 = c[0] / (1 + PRIOR_PER_SEQ * (mean[1] - 1))
-            c[1] = PRIOR_PER_SEQ * s1
-            c[0] = s1 - c[1]
-        if c[0] <= 0 or c[1] < 0 or c[2] < 0:
-            return None
-        return c[0], c[1], c[2]
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    n = len(b)
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
-                b[r] -= f * b[col]
-    return [b[i] / a[i][i] for i in range(n)]
+        mx, my = self.sx / self.n, self.sy / self.n
+        spread = self.sxx / self.n - mx * mx
+        if spread >= MIN_SPREAD:
+            per_seq = (self.sxy / self.n - mx * my) / spread
+            base = my - per_seq * mx
+            if base > 0 and per_seq >= 0:
+                return base, per_seq
+        s1 = my / (1 + PRIOR_PER_SEQ * (mx - 1))   # the prior: the mean step at the mean batch
+        return s1 * (1 - PRIOR_PER_SEQ), s1 * PRIOR_PER_SEQ
 
 
 class LoadStats:
     def __init__(self) -> None:
         self._step_s = 0.0
         self._decode_step_s = 0.0
-        self._prefill_rate = 0.0
-        self._fit = _StepFit()
+        self._decode_line = _LineFit()
+        self._prefill_tokens = 0.0    # decayed sums over prefilling steps: tokens, and their seconds
+        self._prefill_seconds = 0.0
 
     def record(self, scheduled: Iterable[ScheduledRequest], duration_s: float) -> None:
         """One executed step: what it computed and how long it took."""
@@ -115,20 +95,24 @@ class LoadStats:
                 decodes += 1
             else:
                 prefill += known
-        self._fit.add(seqs, prefill, duration_s)
         self._step_s = _ewma(self._step_s, duration_s)
         if decodes:
             self._decode_step_s = _ewma(self._decode_step_s, duration_s)
-        if prefill:
-            self._prefill_rate = _ewma(self._prefill_rate, prefill / duration_s)
+        if not prefill:
+            self._decode_line.add(seqs, duration_s)
+            return
+        line = self._decode_line.solve()
+        decoding_s = line[0] + line[1] * decodes if line and decodes else 0.0
+        self._prefill_tokens = self._prefill_tokens * PREFILL_DECAY + prefill
+        self._prefill_seconds = self._prefill_seconds * PREFILL_DECAY + max(0.0, duration_s - decoding_s)
 
     def snapshot(self, scheduler: Scheduler) -> LoadSnapshot:
         queued = sum(r.num_tokens for r in scheduler.waiting)
         queued += sum(r.num_tokens - 1 - r.num_computed_tokens for r in scheduler.running
                       if r.num_computed_tokens < r.num_tokens - 1)
-        fit = self._fit.solve(self._prefill_rate)
-        base, per_seq, per_token = fit or (0.0, 0.0, 0.0)
+        base, per_seq = self._decode_line.solve() or (0.0, 0.0)
         return LoadSnapshot(waiting_prompt_tokens=queued, step_time_s=self._step_s,
                             decode_tokens_per_s=1.0 / self._decode_step_s if self._decode_step_s else 0.0,
-                            prefill_tokens_per_s=1.0 / per_token if per_token > 0 else self._prefill_rate,
+                            prefill_tokens_per_s=self._prefill_tokens / self._prefill_seconds
+                            if self._prefill_seconds > 0 else 0.0,
                             decode_step_base_s=base, decode_step_per_seq_s=per_seq)
