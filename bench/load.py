@@ -8,8 +8,9 @@ then:
    default retries, to the default model and to the int8 pool. Served, refused, aggregate tokens/s,
    TTFT p95; the same prompts and lengths through transformers' generate in static batches of 8
    and through llama-cpp-python's OpenAI server on the same GGUF (bench/engine.py's peers).
-2. Open loop: Poisson arrivals of the same mix at 0.5x, 1x, 2x and 4x the capacity the burst
-   measured (requests/s): admitted TTFT p95 against unloaded, per-stream speed against the target,
+2. Open loop: Poisson arrivals of the same mix at 0.5x, 1x, 2x and 4x the pool's capacity (the
+   requests/s 64 clients sending back to back complete): admitted TTFT p95 against unloaded,
+   per-stream speed against the target,
    goodput (tokens/s of requests that met both targets), refusals and how fast they came back.
 3. Fairness: one organization flooding with 24 concurrent streams while a second sends one short
    chat at a time (its refusals and TTFT p95 against its unloaded TTFT); two organizations of equal
@@ -51,6 +52,7 @@ MODEL, INT8_MODEL = "smollm2-135m-instruct", "smollm2-135m-instruct-int8"
 ADMIN_TOKEN = os.environ.get("LLMSERVE_ADMIN_TOKEN", "admin-local-dev")
 EOS_BAN = {"2": -100}   # SmolLM2's <|im_end|>: answers run to their max_tokens, as the peers' do
 LLAMA_PORT = 10         # the llama-cpp-python server listens on --port-base + this
+CAPACITY_STREAMS = 64   # clients of the capacity loop: the most the gateway admits (max_in_flight_per_model)
 
 
 # -- the workload --------------------------------------------------------------------------------
@@ -215,20 +217,44 @@ def open_loop_row(rate: float, factor: float, results: list[Result], seconds: fl
                 refusals_with_retry_after=sum(r.retry_after for r in refused))
 
 
-async def open_loop(url: str, key: str, prompts, capacity: float, seconds: float, targets: dict,
+async def saturated_capacity(session, url: str, key: str, prompts, seconds: float,
+                             streams: int = CAPACITY_STREAMS) -> dict:
+    """The requests/s the pool completes for this mix with as many clients as it may admit, each sending
+    its next request when its last ends (a refused one after its Retry-After), counted over the
+    last two thirds, once the first wave's prompts are in. A burst's own rate is lower: its queue
+    drains to a tail of a few long answers (12-02: the float32 pool's burst 0.62 requests/s, this
+    loop 1.2-1.4 on the same tree)."""
+    results: list[Result] = []
+    start = time.monotonic()
+    await flood(session, url, prompts, [(key, "", results)], streams, start + seconds)
+    window = (start + seconds / 3, start + seconds)
+    span = window[1] - window[0]
+    completed = sum(1 for r in results if r.status == 200 and r.chunk_times and window[0] <= r.chunk_times[-1] <= window[1])
+    return dict(streams=streams, seconds=seconds, completed=completed, rps=completed / span,
+                tokens_per_s=tokens_between(results, *window) / span, refused=sum(r.status == 429 for r in results))
+
+
+async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds: float, targets: dict,
                     factors: tuple[float, ...] = (0.5, 1, 2, 4)) -> dict:
+    """Poisson arrivals at `factors` x `capacity` (requests/s; None: measured first by
+    saturated_capacity)."""
     rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         unloaded = [await stream_once(session, url, key, MODEL, p, m) for p, m in prompts[:6]]
         unloaded_ttft = percentile([r.ttft_s for r in unloaded if r.ttft_s], 95)
+        measured = None
+        if capacity is None:
+            measured = await saturated_capacity(session, url, key, prompts, seconds)
+            print("capacity", json.dumps(measured), flush=True)
+            capacity = measured["rps"]
         rows = []
         for factor in factors:
             results = await poisson(session, url, key, prompts, capacity * factor, seconds, rng)
             rows.append(open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft,
                                       targets["ttft_target_s"], targets["stream_tokens_per_s"]))
             print("open loop", json.dumps(rows[-1]), flush=True)
-    return dict(capacity_rps=capacity, unloaded_ttft_p95=unloaded_ttft,
+    return dict(capacity_rps=capacity, capacity_measured=measured, unloaded_ttft_p95=unloaded_ttft,
                 unloaded_speed_p50=percentile([r.tokens_per_s for r in unloaded if r.tokens_per_s], 50), rows=rows)
 
 
@@ -458,9 +484,13 @@ def render(d: dict) -> str:
         lines.append("")
     loop = d.get("open_loop")
     if loop:
-        lines += ["## Open loop: Poisson arrivals at multiples of the burst's measured capacity", "",
-                  f"Capacity {_f(loop['capacity_rps'], 3)} requests/s; unloaded TTFT p95 {_f(loop['unloaded_ttft_p95'])} s, "
-                  f"per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
+        m = loop.get("capacity_measured")
+        how = (f"measured: {m['streams']} clients sending back to back for {m['seconds']:.0f} s completed {m['completed']} "
+               f"requests in the last two thirds ({_f(m['tokens_per_s'], 1)} tokens/s; {m['refused']} refusals on "
+               "the way)") if m else "given (--capacity)"
+        lines += ["## Open loop: Poisson arrivals at multiples of the pool's capacity", "",
+                  f"Capacity {_f(loop['capacity_rps'], 3)} requests/s, {how}; unloaded TTFT p95 "
+                  f"{_f(loop['unloaded_ttft_p95'])} s, per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
                   "| load | req/s | offered | ok | 429 | errors | TTFT p95 (s) | TTFT p95 / unloaded | speed p5 | "
                   "goodput (tok/s) | 429 p50 / p95 (ms) | 429 within 100 ms | 429 with Retry-After |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -513,8 +543,11 @@ def render(d: dict) -> str:
               "token past the TTFT target; the limit is split between gateway replicas through the Redis "
               "heartbeats.",
               "- Beyond that a request waits in a fair queue: priority class first, then organizations by virtual "
-              "token counters over their weights. It may wait queue_timeout_s while the pool absorbs a burst, only "
-              "the TTFT target once every slot has been taken for queue_timeout_s on end (a standing queue). A "
+              "token counters over their weights. It may wait queue_timeout_s while the pool absorbs a burst. Once "
+              "every slot has been taken for queue_timeout_s on end, or for 1.5 sustained windows with newcomers "
+              "finding the pool full 1.5 times as often as slots free (a standing queue), it may wait only what the "
+              "TTFT target leaves past the measured time from admission to first token, and the waiters queued "
+              "before are held to that bound too. A "
               "newcomer whose estimated wait (the end of the in-flight stream that frees the slot its turn needs, "
               "each expected at its grant + its answer budget at the measured speed) exceeds "
               "its bound is refused at once, with a Retry-After for when that wait would be half its bound (at most "
@@ -554,7 +587,8 @@ def main() -> None:
     parser.add_argument("--share-streams", type=int, default=24,
                         help="streams per organization in the shares' phases (more than half the pool's limit)")
     parser.add_argument("--parts", default="burst,poisson,fairness,peers")
-    parser.add_argument("--capacity", type=float, default=0.5, help="requests/s, when the burst is not run")
+    parser.add_argument("--capacity", type=float, help="the open loop's 1x in requests/s (default: measured by a "
+                        "closed loop of 64 clients for --seconds)")
     parser.add_argument("--factors", default="0.5,1,2,4", help="the open loop's rates, as multiples of the capacity")
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python[server] (default: this one)")
     args = parser.parse_args()
@@ -580,9 +614,8 @@ def main() -> None:
                 data["burst"] = [asyncio.run(burst(url, args.key, m, prompts)) for m in (MODEL, INT8_MODEL)]
                 for row in data["burst"]:
                     print("burst", json.dumps(row), flush=True)
-            capacity = data["burst"][0]["requests_per_s"] if "burst" in data else args.capacity
             if "poisson" in parts:
-                data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, capacity, args.seconds, targets,
+                data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, args.capacity, args.seconds, targets,
                                                           tuple(float(f) for f in args.factors.split(","))))
             if "fairness" in parts:
                 data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds, args.share_streams))

@@ -80,7 +80,7 @@ class OverloadConfig:
     queue_timeout_s: float = 2.0      # a queued request waiting longer is refused
     # Sooner than queue_timeout_s of contention, a queue counts as standing (the short wait bound)
     # once, over this window, newcomers keep finding the pool full faster than slots free.
-    sustained_window_s: float = 10.0
+    sustained_window_s: float = 5.0
     refuse_status: int = 429          # 429 or 503
     retry_after_s: float = 1.0
 

@@ -15,21 +15,22 @@ those are counted apart, so a flood's streams left above a limit that fell do no
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
-absorbing a burst, but only ttft_target_s in a standing queue, if its organization holds slots
-already and the fair order does not need a waiter of it: under sustained overload, waiting longer
-only makes every first token late (Facebook's controlled-delay queues, "Fail at Scale", use the
-same two bounds). A queue stands once every newcomer has had to wait for queue_timeout_s on end,
-or sooner once arrivals outpace the slots freed (sustained_window_s); it lasts until nobody has
-been refused for queue_timeout_s. A newcomer whose estimated wait exceeds its bound, or who
-finds the queue full, is refused at once, with a Retry-After for when that wait would be half its
-bound (at most 60 s, the most the openai SDK honours). The wait is read off the
-streams in flight (admission/slot_release.py): each is expected to end at its grant + its answer
-budget at the measured speed, and a waiter whose turn needs n slots freed waits for the n-th end
-(a replay of _wake on those ends), not n x the mean hold / the limit. The estimate of everyone
-waiting is renewed whenever it can change (a slot freed, a new report, a newcomer placed ahead by
-the fair order): a waiter who can no longer be admitted within its bound is refused then, not when
-the bound runs out. Nothing reaches the upstream before admission, so a refused request costs the
-pool nothing.
+absorbing a burst, but in a standing queue only what ttft_target_s leaves past the measured time
+from admission to first token, if its organization holds slots already and the fair order does
+not need a waiter of it: under sustained overload, waiting longer only makes every first token
+late (Facebook's controlled-delay queues, "Fail at Scale", use the same two bounds). A queue
+stands once every newcomer has had to wait for queue_timeout_s on end, or sooner once arrivals
+outpace the slots freed (sustained_window_s), and then holds those it took under the long bound
+to the short one too; it lasts until nobody has been refused for queue_timeout_s. A newcomer
+whose estimated wait exceeds its bound, or who finds the queue full, is refused at once, with a
+Retry-After for when that wait would be half its bound (at most 60 s, the most the openai SDK
+honours). The wait is read off the streams in flight (admission/slot_release.py): each is
+expected to end at its grant + its answer budget at the measured speed, and a waiter whose turn
+needs n slots freed waits for the n-th end (a replay of _wake on those ends), not n x the mean
+hold / the limit. The estimate of everyone waiting is renewed whenever it can change (a slot
+freed, a new report, a newcomer placed ahead by the fair order): a waiter who can no longer be
+admitted within its bound is refused then, not when the bound runs out. Nothing reaches the
+upstream before admission, so a refused request costs the pool nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from services.gateway.config import OverloadConfig
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
 
-HOLD_ALPHA = 0.2      # weight of the newest stream in the mean slot hold time
+HOLD_ALPHA = 0.2      # weight of the newest stream in the means of slot hold and first-token times
 # The openai SDK ignores a Retry-After over 60 s and retries within a second or so: a longer estimate
 # spent a burst's retries at once (bench-load on a fast VM: 14 of 32 refused in the end).
 MAX_RETRY_AFTER_S = 60.0
@@ -75,12 +76,21 @@ class Ticket:
     _slot: Slot | None = None
 
     def first_token(self) -> None:
-        if self._slot is not None and self._guard is not None and self._slot.first_token_at is None:
-            self._slot.first_token_at = self._guard.clock()   # the slot's hold is its first token, then decode
-        if self.estimate is not None and self._guard is not None:
-            actual = self._guard.clock() - self.admitted_at
-            self._guard.metrics.ttft_ratio.labels(model=self.model).observe(actual / max(1e-3, self.estimate.ttft_s))
+        guard = self._guard
+        if guard is None or self._slot is None or self._slot.first_token_at is not None:
+            return
+        now = self._slot.first_token_at = guard.clock()   # the slot's hold is its first token, then decode
+        gate = guard._gate(self.model)
+        gate.first_token_s = _mean(gate.first_token_s, now - self.admitted_at)
+        if self.estimate is not None:
+            guard.metrics.ttft_ratio.labels(model=self.model).observe(
+                (now - self.admitted_at) / max(1e-3, self.estimate.ttft_s))
             self.estimate = None
+
+
+def _mean(mean: float, value: float) -> float:
+    """The running mean with HOLD_ALPHA on the newest value (mean 0: none yet)."""
+    return value if not mean else mean + HOLD_ALPHA * (value - mean)
 
 
 def _turn(waiters: list[Waiter]) -> list[tuple[str, int]]:
@@ -102,6 +112,7 @@ class _ModelGate:
         self.org_in_flight: Counter[str] = Counter()
         self.hold_s = 0.0                     # mean time a stream holds its slot (0: none measured)
         self.expected_hold_s = 0.0            # the same from the estimates at admission (0: none made)
+        self.first_token_s = 0.0              # mean time from admission to first token (0: none measured)
         self.contended_since: float | None = None   # since when every newcomer has had to wait
         self.standing = False                 # a standing queue: the short wait bound applies
         self.refused_at = float("-inf")       # the last refusal
@@ -235,7 +246,7 @@ class OverloadGuard:
         return gate.releases.take(org, self.clock(), answer_tokens, spare)
 
     def wait_bound_s(self, model: str, org: str = "") -> float:
-        """How long a request of `org` arriving now may wait: queue_timeout_s, or ttft_target_s in a
+        """How long a request of `org` arriving now may wait: queue_timeout_s, or the short bound in a
         standing queue if `org` holds slots already and the fair order does not need a waiter of it.
         One with nothing in flight is not the overload: it waits its turn, first in the fair order.
         Beside other organizations, one with nobody queued, or the one the order serves next, keeps
@@ -244,11 +255,35 @@ class OverloadGuard:
         Retry-After and weights 2:1 gave 1.25:1; with only the next one's queued, the others' clients
         slept out long Retry-Afters and equal weights gave 0.79:1."""
         cfg, gate = self._cfg, self._gate(model)
-        if self._standing(gate) and gate.org_in_flight[org] > 0 and not gate.queue.needs_waiter(org):
-            return min(cfg.queue_timeout_s, cfg.ttft_target_s)
+        if self._standing(model, gate) and self._held_short(gate, org):
+            return self._short_bound_s(gate)
         return cfg.queue_timeout_s
 
-    def _standing(self, gate: _ModelGate) -> bool:
+    def _short_bound_s(self, gate: _ModelGate) -> float:
+        """A standing queue's bound: what the TTFT target leaves past the measured time from admission
+        to first token. Waiting the whole target, bench-load's open loop at 4x the pool's capacity
+        got first tokens 2.2 s after arrival at the median against a 2 s target: a newcomer then
+        waits for the step in progress and prefills in one as long."""
+        cfg = self._cfg
+        return max(0.0, min(cfg.queue_timeout_s, cfg.ttft_target_s - gate.first_token_s))
+
+    @staticmethod
+    def _held_short(gate: _ModelGate, org: str) -> bool:
+        """In a standing queue, `org` waits only the short bound (see wait_bound_s)."""
+        return gate.org_in_flight[org] > 0 and not gate.queue.needs_waiter(org)
+
+    def _shorten_waits(self, model: str, gate: _ModelGate) -> None:
+        """A queue that turns standing holds the waiters it took under the long bound to the short one
+        too, counted from when each joined; _expire refuses those already past it. Left to the long
+        bound, they would go ahead of every later arrival, each first token late by as long as the
+        queue took to be seen standing (7.5-30 s at make run's settings)."""
+        short = self._short_bound_s(gate)
+        for waiter in self._live_order(gate):
+            if self._held_short(gate, waiter.org):
+                waiter.deadline = min(waiter.deadline, waiter.queued_at + short)
+        self._expire(model, gate)
+
+    def _standing(self, model: str, gate: _ModelGate) -> bool:
         """A queue stands once every newcomer has had to wait for queue_timeout_s on end, or, after
         contention of 1.5 sustained windows, while in the last window newcomers found the pool full
         OUTPACE times as often as slots were freed: more keep coming than leave (a burst's own
@@ -261,7 +296,9 @@ class OverloadGuard:
         contended = None if gate.contended_since is None else now - gate.contended_since
         if contended is not None and (contended >= cfg.queue_timeout_s or (
                 contended >= 1.5 * cfg.sustained_window_s and self._outpaced(gate, now))):
-            gate.standing = True
+            if not gate.standing:
+                gate.standing = True
+                self._shorten_waits(model, gate)
         elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
             gate.standing = False
         return gate.standing
@@ -287,18 +324,19 @@ class OverloadGuard:
         self._expire(model, gate)
 
     def _expire(self, model: str, gate: _ModelGate) -> None:
-        """Refuses, now, each waiter whose renewed estimate puts its admission past its deadline; the
-        first such in the fair order first, as those behind it move up once it leaves."""
+        """Refuses, now, each waiter past its deadline or whose renewed estimate puts its admission
+        past it; the first such in the fair order first, as those behind it move up once it leaves."""
         now = self.clock()
         while True:
             order = self._live_order(gate)
             waits = self._waits(gate, _turn(order))
-            late = next(((w, e) for w, e in zip(order, waits) if e is not None and now + e > w.deadline), None)
+            late = next(((w, e) for w, e in zip(order, waits) if now + (e or 0.0) > w.deadline), None)
             if late is None:
                 return
             waiter, estimate = late
             gate.queue.discard(waiter)
-            waiter.future.set_exception(self._refusal(model, waiter.org, f"estimated wait {estimate:.1f}s", estimate))
+            why = "queue timeout" if estimate is None else f"estimated wait {estimate:.1f}s"
+            waiter.future.set_exception(self._refusal(model, waiter.org, why, estimate))
 
     def _refusal(self, model: str, org: str, why: str, wait_s: float | None) -> Overloaded:
         """Refuses a request whose admission is estimated wait_s away (None: unknown) with a Retry-After
@@ -348,8 +386,7 @@ class OverloadGuard:
         if ticket.estimate is not None:
             hold = ticket.estimate.ttft_s + answer_tokens / ticket.estimate.tokens_per_s
             slot.predicted_hold_s = hold
-            gate.expected_hold_s = hold if not gate.expected_hold_s else \
-                gate.expected_hold_s + HOLD_ALPHA * (hold - gate.expected_hold_s)
+            gate.expected_hold_s = _mean(gate.expected_hold_s, hold)
             self.metrics.ttft_estimate.labels(model=model).observe(ticket.estimate.ttft_s)
             self.metrics.stream_speed_estimate.labels(model=model).set(ticket.estimate.tokens_per_s)
         in_flight = self._metrics.in_flight.labels(model=model)
@@ -358,7 +395,7 @@ class OverloadGuard:
             yield ticket
         finally:
             held = self.clock() - ticket.admitted_at
-            gate.hold_s = held if not gate.hold_s else gate.hold_s + HOLD_ALPHA * (held - gate.hold_s)
+            gate.hold_s = _mean(gate.hold_s, held)
             gate.releases.free(slot, self.clock())
             gate.freed.add(self.clock())
             gate.in_flight -= 1
@@ -374,7 +411,7 @@ class OverloadGuard:
             raise self._refusal(model, waiter.org, "queue full",
                                 self.estimated_wait_s(model, len(gate.queue), waiter.org))
         bound = self.wait_bound_s(model, waiter.org)
-        started = self.clock()
+        started = waiter.queued_at = self.clock()
         waiter.deadline = started + bound
         gate.queue.push(waiter)
         order = self._live_order(gate)

@@ -119,6 +119,23 @@ async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():
     assert g.wait_bound_s("m") == 0.2                                # nobody refused for 0.2 s: over
 
 
+async def test_a_standing_queue_leaves_room_for_the_measured_first_token():
+    clock = VirtualClock()
+    g = sustained_guard(clock)                                       # first-token target 1 s
+    async with g.admit("m") as ticket:
+        clock.t += 0.4
+        ticket.first_token()                                         # 0.4 s from admission
+    g._gate("m").standing = True                                     # as after a sustained overload
+    g._gate("m").refused_at = clock.t
+    async with g.admit("m"):
+        assert g.wait_bound_s("m") == pytest.approx(0.6)             # 1 s less the 0.4 measured
+        async with g.admit("m") as ticket:
+            clock.t += 1.5
+            ticket.first_token()                                     # the mean moves to 0.62 s
+        assert g.wait_bound_s("m") == pytest.approx(1.0 - (0.4 + 0.2 * 1.1))
+    assert g.wait_bound_s("m", "idle") == 30.0                       # nothing in flight: the long bound
+
+
 class Stream:
     """A request that holds its slot, once granted, until end()."""
 
@@ -155,6 +172,31 @@ async def test_arrivals_outpacing_the_slots_freed_make_a_queue_stand_before_the_
     for s in streams:
         s.task.cancel()
     await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
+
+
+async def test_a_queue_turning_standing_holds_the_waiters_it_took_to_the_short_bound():
+    clock = VirtualClock()
+    g = sustained_guard(clock)
+    streams = [Stream(g) for _ in range(SLOTS)]
+    await asyncio.sleep(0)
+    waiters = []
+    for _ in range(15):                                  # queued under the long bound (30 s), a second apart
+        waiters.append(Stream(g))
+        await asyncio.sleep(0)
+        clock.t += 1
+    assert not any(w.task.done() for w in waiters)
+    newcomer = Stream(g)                                 # finds the queue standing (15 s, outpaced)
+    for _ in range(5):                                   # the refused waiters' tasks end
+        await asyncio.sleep(0)
+    refused = [w for w in waiters if w.task.done()]
+    assert refused == waiters[:14]                       # joined more than the short bound (1 s) ago
+    for w in refused:
+        error = w.task.exception()
+        assert isinstance(error, Overloaded) and error.status == 429 and "Retry-After" in error.headers
+    assert not waiters[14].task.done() and not newcomer.task.done()
+    for s in streams + waiters[14:] + [newcomer]:
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in streams + waiters + [newcomer]), return_exceptions=True)
 
 
 async def test_a_burst_whose_retries_come_as_slots_free_keeps_the_long_bound():

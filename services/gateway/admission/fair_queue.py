@@ -31,6 +31,7 @@ class Waiter:
     answer_tokens: int = 0         # its answer budget (max_tokens, or the default)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     arrival: int = 0
+    queued_at: float = 0.0         # time.monotonic() when it joined the queue
     deadline: float = 0.0          # time.monotonic() past which it is refused rather than admitted
 
 
