@@ -45,21 +45,30 @@ class ServerProcess:
     metrics_port: int
 
     @classmethod
-    def start(cls, store_url: str, log_path: Path, timeout_s: float = 60.0) -> ServerProcess:
-        port, metrics_port = free_port(), free_port()
-        env = dict(os.environ,
-                   LLMSERVE_CONVERSATIONS__SERVER__PORT=str(port),
-                   LLMSERVE_CONVERSATIONS__SERVER__METRICS_PORT=str(metrics_port),
-                   LLMSERVE_CONVERSATIONS__SERVER__GRACE_PERIOD_S="2",
-                   LLMSERVE_CONVERSATIONS__STORE__URL=store_url)
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen([sys.executable, "-m", "services.conversations"], cwd=REPO, env=env,
-                                       stdout=log, stderr=subprocess.STDOUT)
-        server = cls(process, port, metrics_port)
-        server.wait_serving(timeout_s, log_path)
-        return server
+    def start(cls, store_url: str, log_path: Path, timeout_s: float = 60.0, tries: int = 3) -> ServerProcess:
+        """A port picked free may be taken before the server binds it (another test's outgoing
+        connection gets it from the same ephemeral range): a start that fails so is tried again
+        on other ports."""
+        for _ in range(tries):
+            port, metrics_port = free_port(), free_port()
+            env = dict(os.environ,
+                       LLMSERVE_CONVERSATIONS__SERVER__PORT=str(port),
+                       LLMSERVE_CONVERSATIONS__SERVER__METRICS_PORT=str(metrics_port),
+                       LLMSERVE_CONVERSATIONS__SERVER__GRACE_PERIOD_S="2",
+                       LLMSERVE_CONVERSATIONS__STORE__URL=store_url)
+            logged = log_path.stat().st_size if log_path.exists() else 0
+            with open(log_path, "ab") as log:
+                process = subprocess.Popen([sys.executable, "-m", "services.conversations"], cwd=REPO, env=env,
+                                           stdout=log, stderr=subprocess.STDOUT)
+            server = cls(process, port, metrics_port)
+            if server.wait_serving(timeout_s):
+                return server
+            server.kill()
+            if b"Address already in use" not in log_path.read_bytes()[logged:]:
+                break
+        pytest.fail(f"conversations server did not become healthy:\n{log_path.read_text()[-3000:]}", pytrace=False)
 
-    def wait_serving(self, timeout_s: float, log_path: Path) -> None:
+    def wait_serving(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         request = health_pb2.HealthCheckRequest(service="llmserve.v1.Conversations")
         while time.monotonic() < deadline and self.process.poll() is None:
@@ -67,12 +76,11 @@ class ServerProcess:
             with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
                 try:
                     if health_pb2_grpc.HealthStub(channel).Check(request, timeout=1).status == SERVING:
-                        return
+                        return True
                 except grpc.RpcError:
                     pass
             time.sleep(0.1)
-        self.kill()
-        pytest.fail(f"conversations server did not become healthy:\n{log_path.read_text()[-3000:]}", pytrace=False)
+        return False
 
     def kill(self) -> None:
         self.process.kill()
