@@ -217,21 +217,31 @@ def open_loop_row(rate: float, factor: float, results: list[Result], seconds: fl
                 refusals_with_retry_after=sum(r.retry_after for r in refused))
 
 
+async def unloaded_ttft_p95(session, url: str, key: str, prompts, org: str = "") -> float:
+    """The first tokens' p95 over the whole mix sent one at a time (2-token answers: the first token
+    does not wait for the answer's length). Over the first 6 prompts it had been 0.52-0.72 s on one
+    tree, as the longest prompt was among them or not."""
+    first = [await stream_once(session, url, key, MODEL, p, 2, org) for p, _ in prompts]
+    return percentile([r.ttft_s for r in first if r.ttft_s], 95)
+
+
 async def saturated_capacity(session, url: str, key: str, prompts, seconds: float,
                              streams: int = CAPACITY_STREAMS) -> dict:
-    """The requests/s the pool completes for this mix with as many clients as it may admit, each sending
-    its next request when its last ends (a refused one after its Retry-After), counted over the
-    last two thirds, once the first wave's prompts are in. A burst's own rate is lower: its queue
-    drains to a tail of a few long answers (12-02: the float32 pool's burst 0.62 requests/s, this
-    loop 1.2-1.4 on the same tree)."""
+    """The requests/s of this mix the pool serves with as many clients as it may admit, each sending
+    its next request when its last ends (a refused one after its Retry-After, then the next
+    prompt): the tokens/s it streams over the last two thirds, once the first wave's prompts are
+    in, over the mix's mean answer. Completions counted instead depend on which answers ended in
+    the window and which prompts were refused: 2.75 and 3.4 requests/s in two runs that streamed
+    200 and 211 tokens/s. A burst's own rate is lower still: its queue drains to a tail of a few
+    long answers (12-02: the float32 pool's burst 0.62 requests/s, this loop 1.2-1.4)."""
     results: list[Result] = []
     start = time.monotonic()
     await flood(session, url, prompts, [(key, "", results)], streams, start + seconds)
     window = (start + seconds / 3, start + seconds)
-    span = window[1] - window[0]
-    completed = sum(1 for r in results if r.status == 200 and r.chunk_times and window[0] <= r.chunk_times[-1] <= window[1])
-    return dict(streams=streams, seconds=seconds, completed=completed, rps=completed / span,
-                tokens_per_s=tokens_between(results, *window) / span, refused=sum(r.status == 429 for r in results))
+    tokens_per_s = tokens_between(results, *window) / (window[1] - window[0])
+    mean_answer = sum(m for _, m in prompts) / len(prompts)
+    return dict(streams=streams, seconds=seconds, tokens_per_s=tokens_per_s, mean_answer_tokens=mean_answer,
+                rps=tokens_per_s / mean_answer, refused=sum(r.status == 429 for r in results))
 
 
 async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds: float, targets: dict,
@@ -241,8 +251,8 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
     rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
+        unloaded_ttft = await unloaded_ttft_p95(session, url, key, prompts)
         unloaded = [await stream_once(session, url, key, MODEL, p, m) for p, m in prompts[:6]]
-        unloaded_ttft = percentile([r.ttft_s for r in unloaded if r.ttft_s], 95)
         measured = None
         if capacity is None:
             measured = await saturated_capacity(session, url, key, prompts, seconds)
@@ -367,7 +377,7 @@ async def fairness(url: str, prompts, seconds: float, share_streams: int = 24) -
         report: dict = {}
 
         # One organization floods, the other sends one short chat at a time.
-        alone = [await stream_once(session, url, b_key, MODEL, p, m, "B") for p, m in short[:6]]
+        unloaded = await unloaded_ttft_p95(session, url, b_key, short, "B")
         flood_results: list[Result] = []
         until = time.monotonic() + seconds
         flooding = asyncio.create_task(flood(session, url, prompts, [(a_key, "A", flood_results)], 24, until))
@@ -376,7 +386,6 @@ async def fairness(url: str, prompts, seconds: float, share_streams: int = 24) -
         while time.monotonic() < until:
             polite.append(await stream_once(session, url, b_key, MODEL, *short[len(polite) % len(short)], "B"))
         await flooding
-        unloaded = percentile([r.ttft_s for r in alone if r.ttft_s], 95)
         loaded = percentile([r.ttft_s for r in polite if r.ttft_s], 95)
         report["flood_vs_one_at_a_time"] = dict(
             b_requests=len(polite), b_refused=sum(r.status == 429 for r in polite),
@@ -485,9 +494,9 @@ def render(d: dict) -> str:
     loop = d.get("open_loop")
     if loop:
         m = loop.get("capacity_measured")
-        how = (f"measured: {m['streams']} clients sending back to back for {m['seconds']:.0f} s completed {m['completed']} "
-               f"requests in the last two thirds ({_f(m['tokens_per_s'], 1)} tokens/s; {m['refused']} refusals on "
-               "the way)") if m else "given (--capacity)"
+        how = (f"measured: {m['streams']} clients sending back to back for {m['seconds']:.0f} s streamed "
+               f"{_f(m['tokens_per_s'], 1)} tokens/s in the last two thirds, over the mix's mean answer of "
+               f"{_f(m['mean_answer_tokens'], 1)} tokens ({m['refused']} refusals on the way)") if m else "given (--capacity)"
         lines += ["## Open loop: Poisson arrivals at multiples of the pool's capacity", "",
                   f"Capacity {_f(loop['capacity_rps'], 3)} requests/s, {how}; unloaded TTFT p95 "
                   f"{_f(loop['unloaded_ttft_p95'])} s, per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
@@ -546,8 +555,11 @@ def render(d: dict) -> str:
               "token counters over their weights. It may wait queue_timeout_s while the pool absorbs a burst. Once "
               "every slot has been taken for queue_timeout_s on end, or for 1.5 sustained windows with newcomers "
               "finding the pool full 1.5 times as often as slots free (a standing queue), it may wait only what the "
-              "TTFT target leaves past the measured time from admission to first token, and the waiters queued "
-              "before are held to that bound too. A "
+              "TTFT target leaves past the measured time from admission to first token, at most the mean time "
+              "between slots freed, and the waiters queued before are held to that bound too. A newcomer that "
+              "finds the pool full over burst_arrival_s after the queue formed, with nobody refused since who "
+              "could wait the long bound (so it is no burst's retry), is new load: the queue stands from then "
+              "on, and the burst's own waiters keep their bound. A "
               "newcomer whose estimated wait (the end of the in-flight stream that frees the slot its turn needs, "
               "each expected at its grant + its answer budget at the measured speed) exceeds "
               "its bound is refused at once, with a Retry-After for when that wait would be half its bound (at most "

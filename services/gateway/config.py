@@ -81,6 +81,9 @@ class OverloadConfig:
     # Sooner than queue_timeout_s of contention, a queue counts as standing (the short wait bound)
     # once, over this window, newcomers keep finding the pool full faster than slots free.
     sustained_window_s: float = 5.0
+    # A burst's requests arrive together: a newcomer that finds the pool full later than this after
+    # the queue formed is not part of the burst it absorbs, and waits only the short bound.
+    burst_arrival_s: float = 2.0
     refuse_status: int = 429          # 429 or 503
     retry_after_s: float = 1.0
 
@@ -155,5 +158,7 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError("overload: queue_timeout_s must be in [0, 600] seconds and retry_after_s > 0")
     if not 0 < overload.sustained_window_s <= 600:
         raise ConfigError(f"overload.sustained_window_s must be in (0, 600] seconds, got {overload.sustained_window_s}")
+    if not 0 <= overload.burst_arrival_s <= 600:
+        raise ConfigError(f"overload.burst_arrival_s must be in [0, 600] seconds, got {overload.burst_arrival_s}")
     if overload.default_output_tokens < 1:
         raise ConfigError("overload.default_output_tokens must be >= 1")

@@ -219,7 +219,8 @@ async def test_two_gateways_share_the_measured_budget(redis_prefix):
     ("ttft_target_s", 0.0, "ttft_target_s"), ("ttft_target_s", 1e6, "ttft_target_s"),
     ("stream_tokens_per_s", -1.0, "stream_tokens_per_s"), ("queue_timeout_s", -1.0, "queue_timeout_s"),
     ("default_output_tokens", 0, "default_output_tokens"), ("sustained_window_s", 0.0, "sustained_window_s"),
-    ("sustained_window_s", 1e4, "sustained_window_s")])
+    ("sustained_window_s", 1e4, "sustained_window_s"), ("burst_arrival_s", -1.0, "burst_arrival_s"),
+    ("burst_arrival_s", 1e4, "burst_arrival_s")])
 def test_the_config_loader_refuses_targets_out_of_range(field, value, message):
     cfg = GatewayConfig()
     cfg.server.plain_http = True

@@ -125,6 +125,7 @@ async def test_a_standing_queue_leaves_room_for_the_measured_first_token():
     async with g.admit("m") as ticket:
         clock.t += 0.4
         ticket.first_token()                                         # 0.4 s from admission
+        clock.t += 7.6                                               # held 8 s: a slot frees every 2 s
     g._gate("m").standing = True                                     # as after a sustained overload
     g._gate("m").refused_at = clock.t
     async with g.admit("m"):
@@ -133,6 +134,11 @@ async def test_a_standing_queue_leaves_room_for_the_measured_first_token():
             clock.t += 1.5
             ticket.first_token()                                     # the mean moves to 0.62 s
         assert g.wait_bound_s("m") == pytest.approx(1.0 - (0.4 + 0.2 * 1.1))
+        for _ in range(12):                                          # short streams: 0.2 s holds
+            async with g.admit("m"):
+                clock.t += 0.2
+        hold = g._gate("m").hold_s
+        assert hold < 1.0 and g.wait_bound_s("m") == pytest.approx(hold / SLOTS)   # one slot's turn at most
     assert g.wait_bound_s("m", "idle") == 30.0                       # nothing in flight: the long bound
 
 
@@ -152,15 +158,16 @@ class Stream:
         await self.task
 
 
-def sustained_guard(clock: VirtualClock) -> OverloadGuard:
-    return OverloadGuard(OverloadConfig(follow_pool_load=False, max_in_flight_per_model=SLOTS, max_queued_per_model=256,
-                                        queue_timeout_s=30.0, ttft_target_s=1.0, sustained_window_s=10.0),
+def sustained_guard(clock: VirtualClock, **cfg) -> OverloadGuard:
+    return OverloadGuard(OverloadConfig(**{"follow_pool_load": False, "max_in_flight_per_model": SLOTS,
+                                           "max_queued_per_model": 256, "queue_timeout_s": 30.0, "ttft_target_s": 1.0,
+                                           "sustained_window_s": 10.0, **cfg}),
                          GatewayMetrics(), clock=clock)
 
 
 async def test_arrivals_outpacing_the_slots_freed_make_a_queue_stand_before_the_long_bound_runs_out():
     clock = VirtualClock()
-    g = sustained_guard(clock)
+    g = sustained_guard(clock, burst_arrival_s=600.0)    # the standing rules alone
     streams = [Stream(g) for _ in range(SLOTS)]
     await asyncio.sleep(0)
     for second in range(15):                             # one newcomer a second, no slot freed
@@ -176,7 +183,7 @@ async def test_arrivals_outpacing_the_slots_freed_make_a_queue_stand_before_the_
 
 async def test_a_queue_turning_standing_holds_the_waiters_it_took_to_the_short_bound():
     clock = VirtualClock()
-    g = sustained_guard(clock)
+    g = sustained_guard(clock, burst_arrival_s=600.0)    # the standing rules alone
     streams = [Stream(g) for _ in range(SLOTS)]
     await asyncio.sleep(0)
     waiters = []
@@ -201,9 +208,12 @@ async def test_a_queue_turning_standing_holds_the_waiters_it_took_to_the_short_b
 
 async def test_a_burst_whose_retries_come_as_slots_free_keeps_the_long_bound():
     clock = VirtualClock()
-    g = sustained_guard(clock)
-    streams = [Stream(g) for _ in range(2 * SLOTS)]      # a burst: all at once, half of it waits
-    await asyncio.sleep(0)
+    g = sustained_guard(clock, max_queued_per_model=SLOTS // 2)
+    burst = [Stream(g) for _ in range(2 * SLOTS)]        # all at once: a half admitted, a quarter queued,
+    await asyncio.sleep(0)                               # a quarter refused (queue full), to come back
+    refused = [s for s in burst if s.task.done()]
+    assert len(refused) == SLOTS // 2 and all(isinstance(s.task.exception(), Overloaded) for s in refused)
+    streams = [s for s in burst if not s.task.done()]
     clock.t += 16                                        # the burst has left the window, nothing since
     assert g.wait_bound_s("m") == 30.0
     for _ in range(12):                                  # then one arrival a second, as a slot frees
@@ -215,6 +225,36 @@ async def test_a_burst_whose_retries_come_as_slots_free_keeps_the_long_bound():
     for s in streams:
         s.task.cancel()
     await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
+
+
+async def test_newcomers_after_a_burst_that_refused_nobody_wait_the_short_bound_and_its_waiters_keep_theirs():
+    clock = VirtualClock()
+    g = sustained_guard(clock)                           # burst_arrival_s: 2 s
+    streams = [Stream(g) for _ in range(SLOTS)]
+    await asyncio.sleep(0)
+    burst = []
+    for _ in range(3):                                   # the burst's waiters, over 1.5 s
+        burst.append(Stream(g))
+        await asyncio.sleep(0)
+        assert g.wait_bound_s("m") == 30.0
+        clock.t += 0.5
+    clock.t += 1.0                                       # 3 s after the queue formed
+    assert g.wait_bound_s("m") == 1.0                    # new load: it would wait behind the burst
+    newcomer = Stream(g)
+    await asyncio.sleep(0)
+    waiters = g._gates["m"].queue.ordered()
+    assert [w.deadline - w.queued_at for w in waiters] == [30.0, 30.0, 30.0, 1.0]
+    clock.t += 1.0
+    with pytest.raises(Overloaded) as refused:          # no slot freed within its bound (1 s here too)
+        await asyncio.wait_for(newcomer.task, 5)
+    assert refused.value.status == 429 and "Retry-After" in refused.value.headers
+    assert not any(w.task.done() for w in burst)         # the burst's waiters are not turned away
+    assert g._gates["m"].standing                        # new load: the overload is sustained
+    assert g.wait_bound_s("m") == 1.0                    # a short-bound refusal brings no burst retry
+    assert g.wait_bound_s("m", org="light") == 30.0      # nothing in flight: not the overload
+    for s in streams + burst:
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in streams + burst), return_exceptions=True)
 
 
 @pytest.mark.parametrize("turns", range(5))
