@@ -4,10 +4,10 @@ import pytest
 
 from services.worker.engine.block_pool import BlockPool, NoFreeBlocks
 from services.worker.engine.kv_cache_manager import KVCacheManager
-from services.worker.engine.model_runner import StepResult
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from services.worker.engine.step_results import StepResults
 
 BS = 4
 
@@ -23,8 +23,8 @@ def make_scheduler(num_blocks=32, max_seqs=8, budget=64, caching=True):
 
 def sampled_tokens(out):
     """What a runner would return for the step `out`: token 100 + i as each sampling request's i-th."""
-    return {item.request.request_id: StepResult([100 + item.request.num_output_tokens])
-            for item in out.scheduled if item.samples}
+    sampling = [item.request for item in out.scheduled if item.samples]
+    return StepResults(ids=[r.request_id for r in sampling], token_ids=[100 + r.num_output_tokens for r in sampling])
 
 
 def run_step(sched):

@@ -43,16 +43,21 @@ from services.worker.engine.core_protocol import (EngineCoreOutput, EngineLimits
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.load_stats import LoadStats
-from services.worker.engine.model_runner import ModelRunner, PendingStep, RequestStepError, StepResult
+from services.worker.engine.model_runner import ModelRunner, PendingStep, RequestStepError
 from services.worker.engine.penalties import penalised
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from services.worker.engine.step_results import StepResults
 from services.worker.engine.structured.compiler import GrammarCompiler
 from services.worker.engine.structured.step_masks import StepMasks
 from services.worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Makes an EngineCoreOutput from its fields in order. Its NamedTuple __new__ is a Python function
+# that cost about as much as the rest of an output, which is made per choice per step.
+_new_output = tuple.__new__
 
 
 class InFlight(NamedTuple):
@@ -152,7 +157,9 @@ class EngineCore:
         started = time.monotonic()
         masks, failure = None, None
         try:
-            masks = StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
+            # A grammar needs host tokens: with no such choice, no row is constrained.
+            masks = (StepMasks.start(self._mask_thread, plan.scheduled, self.drafts_in_step)
+                     if self._num_sync_choices else StepMasks())
             pending = self.runner.submit(plan, masks)
         except Exception as error:
             failure = error
@@ -176,8 +183,9 @@ class EngineCore:
         updates = self.scheduler.update_from_output(plan, results, now)
         outputs, done, output = [], [], self._output
         for r, new_tokens in updates:
-            outputs.append(output(r, new_tokens, results[r.request_id]))
-            if r.finished:
+            out = output(r, new_tokens, results)
+            outputs.append(out)
+            if out.finish_reason is not None:
                 done.append(r)
         for r in done:   # after every output: siblings may finish in the same step
             self._forget_if_done(r)
@@ -218,17 +226,18 @@ class EngineCore:
         self.abort_requests([request_id])
         return [self._output(r, [], None) for r in siblings]
 
-    def _output(self, r: Request, new_tokens: list[int], result: StepResult | None) -> EngineCoreOutput:
+    def _output(self, r: Request, new_tokens: list[int], results: StepResults | None) -> EngineCoreOutput:
+        """r's output: new_tokens, which it took from the step whose results are `results` (None: no
+        step, as when the core aborts it)."""
         logprobs = tops = None
-        if result is not None and result.logprobs is not None and r.params.logprobs:   # a batch computes them for all
-            logprobs = result.logprobs[:len(new_tokens)]
-            tops = result.top_logprobs[:len(new_tokens)] if result.top_logprobs is not None else None
+        if results is not None and results.with_logprobs and r.params.logprobs:
+            logprobs, tops = results.logprobs_of(r.request_id, len(new_tokens))
         status, cached = r.status, r.num_cached_tokens   # plain reads: this runs per choice per step
-        return EngineCoreOutput(
+        return _new_output(EngineCoreOutput, (
             r.request_id, r.parent_id or r.request_id, r.index, new_tokens, logprobs, tops,
             status.value if status.finished else None, len(r.prompt_token_ids), cached if cached > 0 else 0,
             len(r.output_token_ids), r.spec_proposed, r.spec_accepted,
-            (r.first_scheduled_time or r.arrival_time) - r.arrival_time)
+            (r.first_scheduled_time or r.arrival_time) - r.arrival_time))
 
     def _forget_if_done(self, r: Request) -> None:
         """Drop a caller's request once all its choices have finished."""
@@ -243,8 +252,8 @@ class EngineCore:
     def _propose(self) -> None:
         """How many draft tokens each decoding request verifies in the next step (and, n-gram,
         which)."""
-        if self.proposer is None and not self.drafts_in_step:
-            return
+        if not self._num_sync_choices or (self.proposer is None and not self.drafts_in_step):
+            return   # a choice that speculates needs host tokens: with none, none speculates
         default = self.num_speculative_tokens
         for r in self.scheduler.running:
             k = r.params.num_speculative_tokens

@@ -26,20 +26,12 @@ from services.worker.engine.decode_graphs import DecodeGraphs
 from services.worker.engine.input_batch import InputBatch, PendingTokens, StepInputs
 from services.worker.engine.sampler import DeviceSample, Sampler, SamplingRow
 from services.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
+from services.worker.engine.step_results import StepResult, StepResults
 from services.worker.engine.structured.step_masks import StepMasks
 from services.worker.engine.transfer import to_device
 from services.worker.spec.rejection import rejection_sample, verify_greedy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepResult:
-    token_ids: list[int]                                   # 1 token, or the accepted drafts + 1
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    num_rejected: int = 0                                  # draft tokens whose slots are void
-    draft_lag: int = 0                                     # see Request.draft_lag
 
 
 @dataclass
@@ -54,7 +46,8 @@ class Draft:
 class PendingStep:
     """A submitted step: the results known on the host (verified drafts) and, for its plain rows,
     the tokens still on their way from the device (sample) and where they go in the batch."""
-    results: dict[str, StepResult]
+    results: dict[str, StepResult]                         # the verified rows'
+
     sample: DeviceSample | None = None
     sampled_ids: list[str] = field(default_factory=list)   # the plain rows' requests, in sample order
     tokens: PendingTokens | None = None
@@ -161,7 +154,7 @@ class ModelRunner:
                 log.exception("capturing decode CUDA graphs failed; decode steps run eagerly")
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, masks: StepMasks | None = None) -> dict[str, StepResult]:
+    def execute(self, plan: SchedulerOutput, masks: StepMasks | None = None) -> StepResults:
         """Run one step plan and wait for its results (submit, then collect)."""
         return self.collect(self.submit(plan, masks))
 
@@ -188,23 +181,16 @@ class ModelRunner:
         self._in_flight.append(pending)
         return pending
 
-    def collect(self, pending: PendingStep) -> dict[str, StepResult]:
+    def collect(self, pending: PendingStep) -> StepResults:
         """The results of the oldest step in flight (waits for its tokens, not for later steps)."""
         if not self._in_flight or self._in_flight[0] is not pending:
             raise RuntimeError("steps are collected in the order they were submitted")
         self._in_flight.pop(0)
-        results = pending.results
-        if pending.sample is not None:
-            out = pending.sample.to_host()
-            self.batch.resolve(pending.tokens, out.token_ids)
-            logprobs, top = out.logprobs, out.top_logprobs
-            if logprobs is None:   # most steps
-                for rid, token in zip(pending.sampled_ids, out.token_ids):
-                    results[rid] = StepResult([token])
-            else:
-                for j, (rid, token) in enumerate(zip(pending.sampled_ids, out.token_ids)):
-                    results[rid] = StepResult([token], [logprobs[j]], [top[j]] if top is not None else None)
-        return results
+        if pending.sample is None:
+            return StepResults(pending.results)
+        out = pending.sample.to_host()
+        self.batch.resolve(pending.tokens, out.token_ids)
+        return StepResults(pending.results, pending.sampled_ids, out.token_ids, out.logprobs, out.top_logprobs)
 
     def drop_in_flight(self) -> None:
         """Forget the steps in flight (after a failure; their requests are aborted)."""

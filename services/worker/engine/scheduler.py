@@ -45,7 +45,7 @@ from services.worker.engine.sampling_params import SamplingParams
 from services.worker.engine.stop_checks import check_stop
 
 if TYPE_CHECKING:
-    from services.worker.engine.model_runner import StepResult
+    from services.worker.engine.step_results import StepResults
 
 
 @dataclass
@@ -214,7 +214,7 @@ class Scheduler:
             request.num_output_placeholders += 1
         return item
 
-    def update_from_output(self, out: SchedulerOutput, results: dict[str, StepResult],
+    def update_from_output(self, out: SchedulerOutput, results: StepResults,
                            now: float) -> list[tuple[Request, list[int]]]:
         """Apply the step `out` ran: its rejected drafts are not computed after all; each sampled
         request takes its accepted tokens up to the first that stops it, and a finished one leaves.
@@ -222,20 +222,26 @@ class Scheduler:
         -> (request, the tokens it took) per request that sampled."""
         updates = []
         append = updates.append
+        plain, verified = results.tokens, results.verified
         for item in out.scheduled:
             r = item.request
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-            result = results.get(item.request_id)
-            if result is None:
-                continue                       # a prefill chunk: nothing sampled yet
+            token = plain.get(item.request_id)
+            if token is not None:              # most rows: one plain token
+                tokens, num_rejected, draft_lag = [token], 0, 0
+            else:
+                result = verified.get(item.request_id)
+                if result is None:
+                    continue                   # a prefill chunk: nothing sampled yet
+                tokens, num_rejected, draft_lag = result.token_ids, result.num_rejected, result.draft_lag
             r.num_output_placeholders -= 1
             if r.finished:
                 continue
-            r.draft_lag = result.draft_lag
+            r.draft_lag = draft_lag
             if item.num_spec_tokens:
-                r.num_computed_tokens -= result.num_rejected
-                accepted = len(result.token_ids) - 1
+                r.num_computed_tokens -= num_rejected
+                accepted = len(tokens) - 1
                 r.spec_proposed += item.num_spec_tokens
                 r.spec_accepted += accepted
                 r.draft_length.record(item.num_spec_tokens, accepted)
@@ -243,7 +249,6 @@ class Scheduler:
                 r.spec_token_ids, r.num_spec_tokens = [], 0
             if r.first_token_time is None:
                 r.first_token_time = now
-            tokens = result.token_ids
             if len(tokens) == 1:               # most steps: one token, no drafts
                 token = tokens[0]
                 r.output_token_ids.append(token)

@@ -15,31 +15,24 @@ log = logging.getLogger(__name__)
 
 
 def check_stop(request: Request, token: int) -> RequestStatus | None:
-    """After request.append_output(token): the status it finishes with, or None to go on."""
-    if request.matcher is None:   # most requests: token stops only
-        return _check_token_stop(request, token)
-    # Both run: the matcher must consume the token even when the token alone is a stop.
-    grammar, stop = _check_grammar(request, token), _check_token_stop(request, token)
-    return grammar or stop
-
-
-def _check_grammar(request: Request, token: int) -> RequestStatus | None:
-    matcher = request.matcher
-    if matcher is None:
-        return None
-    if not matcher.accept(token):   # the masks make this impossible: a bug, not the caller's
-        log.error("request %s: sampled token %d outside its grammar: %s", request.request_id, token, matcher.error)
-        return RequestStatus.FINISHED_ABORTED
-    return RequestStatus.FINISHED_STOPPED if matcher.is_finished else None
-
-
-def _check_token_stop(request: Request, token: int) -> RequestStatus | None:
+    """After request.append_output(token): the status it finishes with, or None to go on. A
+    constrained request's matcher consumes the token even when the token alone is a stop, and
+    the grammar's status comes first. (One call for most requests: this runs per token.)"""
+    grammar = None if request.matcher is None else _check_grammar(request, token)
     p = request.params
     num_output = len(request.output_token_ids)
     if num_output >= p.min_tokens:
         if (token in request.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+            return grammar or RequestStatus.FINISHED_STOPPED
     if num_output >= request.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    return None
+        return grammar or RequestStatus.FINISHED_LENGTH
+    return grammar
+
+
+def _check_grammar(request: Request, token: int) -> RequestStatus | None:
+    matcher = request.matcher
+    if not matcher.accept(token):   # the masks make this impossible: a bug, not the caller's
+        log.error("request %s: sampled token %d outside its grammar: %s", request.request_id, token, matcher.error)
+        return RequestStatus.FINISHED_ABORTED
+    return RequestStatus.FINISHED_STOPPED if matcher.is_finished else None
