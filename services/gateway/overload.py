@@ -18,12 +18,13 @@ Who waits goes first by priority class, then organization in weighted fair order
 absorbing a burst, but in a standing queue only what ttft_target_s leaves past the measured time
 from admission to first token, if its organization holds slots already and the fair order does
 not need a waiter of it: under sustained overload, waiting longer only makes every first token
-late (Facebook's controlled-delay queues, "Fail at Scale", use the same two bounds). A burst
-arrives at once: a newcomer that finds the pool full over burst_arrival_s after the queue formed,
-when nobody who could wait the long bound was refused since (so it is no burst's retry), waits
-the short bound too, and the burst's waiters keep theirs. A queue stands once every newcomer has had to wait for queue_timeout_s on end, or sooner once arrivals
+late (Facebook's controlled-delay queues, "Fail at Scale", use the same two bounds). A queue
+stands once every newcomer has had to wait for queue_timeout_s on end, or sooner once arrivals
 outpace the slots freed (sustained_window_s), and then holds those it took under the long bound
-to the short one too; it lasts until nobody has been refused for queue_timeout_s. A newcomer
+to the short one too; it lasts until nobody has been refused for queue_timeout_s. A burst
+arrives at once: a newcomer that finds the pool full over burst_arrival_s after the queue formed,
+when nobody who could wait the long bound was refused since (so it is no burst's retry), is new
+load: the queue stands from then on, and the burst's waiters keep their bounds. A newcomer
 whose estimated wait exceeds its bound, or who finds the queue full, is refused at once, with a
 Retry-After for when that wait would be half its bound (at most 60 s, the most the openai SDK
 honours). The wait is read off the streams in flight (admission/slot_release.py): each is
@@ -258,12 +259,12 @@ class OverloadGuard:
         Retry-After and weights 2:1 gave 1.25:1; with only the next one's queued, the others' clients
         slept out long Retry-Afters and equal weights gave 0.79:1."""
         cfg, gate = self._cfg, self._gate(model)
+        standing = self._standing(model, gate)     # first: it may turn standing or end now
         if not self._held_short(gate, org):
-            self._standing(model, gate)
             return cfg.queue_timeout_s
-        if not self._standing(model, gate) and self._after_burst(gate):
-            gate.standing = True    # new load past a burst; the burst's waiters keep their bounds
-        return self._short_bound_s(gate) if gate.standing else cfg.queue_timeout_s
+        if not standing and self._after_burst(gate):
+            gate.standing = standing = True         # new load past a burst; its waiters keep their bounds
+        return self._short_bound_s(gate) if standing else cfg.queue_timeout_s
 
     def _after_burst(self, gate: _ModelGate) -> bool:
         """The queue formed over burst_arrival_s ago and has refused nobody who could wait the long
