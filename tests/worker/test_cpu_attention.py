@@ -1,6 +1,7 @@
 """The CPU backend's C kernel where the shared reference tests (test_torch_paged_attention.py) do
-not reach: real head sizes and groups, contexts of many chunks, a query that is a view into the
-fused QKV projection, the layers it hands to the reference, and the fallback without a compiler."""
+not reach: real head sizes and groups, contexts of many chunks, bfloat16, a query that is a view
+into the fused QKV projection, the layers it hands to the reference, and the fallback without a
+compiler."""
 
 from __future__ import annotations
 
@@ -31,6 +32,33 @@ def test_kernel_matches_dense_attention_at_model_sizes(num_heads, num_kv_heads, 
     torch.testing.assert_close(out.double(), dense_causal_attention(batch, scale), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+def test_bfloat16_layers_are_attended_in_float32_and_rounded_once(num_heads, num_kv_heads, head_dim):
+    """bfloat16 query and caches: the kernel serves them (not the reference) and is as close to
+    exact attention over those bfloat16 values as one rounding of the output to bfloat16 allows."""
+    batch = make_batch(LONG, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       block_size=16, dtype=torch.bfloat16, seed=head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_backend().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta, scale)
+    assert out.dtype == torch.bfloat16 and ("cpu", None) in batch.meta.plans
+    exact = dense_causal_attention(batch, scale)
+    short = torch.tensor([r for r in range(out.shape[0]) if r < sum(batch.meta.query_lens_cpu[:-1])])
+    torch.testing.assert_close(out[short].double(), exact[short], atol=1e-6, rtol=2 ** -8)   # the kernel's rows
+    torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=2e-2)   # the prefill, on the reference
+
+
+def test_bfloat16_nan_in_a_visible_value_stays_in_its_heads():
+    """A NaN value in a visible slot comes out NaN in the query heads of its KV head (rounding to
+    bfloat16 keeps it a NaN), and no other head or row sees it."""
+    batch = make_batch([(20, 1), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                       dtype=torch.bfloat16)
+    first_block = int(batch.meta.block_tables[0, 0])
+    batch.value_cache[first_block, 3, 0, 5] = float("nan")
+    out = cpu_backend().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.25)
+    assert out[0, :2, 5].isnan().all() and not out[0, 2:].isnan().any()   # KV head 0 serves query heads 0-1
+    assert not out[1].isnan().any()
+
+
 def test_query_may_be_a_view_into_the_fused_projection():
     """The model slices q out of one QKV matmul: rows further apart than their heads."""
     batch = make_batch([(40, 1), (7, 1)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
@@ -53,11 +81,11 @@ def test_decode_rows_do_not_depend_on_the_batch():
     assert torch.equal(together[:1], alone)
 
 
-@pytest.mark.parametrize("reason", ["bfloat16", "group", "head_dim"])
+@pytest.mark.parametrize("reason", ["float16", "group", "head_dim"])
 def test_layers_past_the_kernel_take_the_reference(reason):
     num_heads, num_kv_heads, head_dim, dtype = 4, 2, 16, torch.float32
-    if reason == "bfloat16":
-        dtype = torch.bfloat16
+    if reason == "float16":
+        dtype = torch.float16
     elif reason == "group":
         num_heads, num_kv_heads = 34, 2   # 17 query heads per KV head: past MAX_GROUP
     else:

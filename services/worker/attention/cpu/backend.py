@@ -5,8 +5,9 @@ go to paged_attention.c, which reads each visible key and value once from the pa
 reference gathers every sequence's blocks into a padded copy, zeroes the padding and runs SDPA
 over it: on a 2-core CPU at 32 decode rows of ~400 positions that is about 4x the time per layer.
 Longer sequences (prefill chunks) stay on the reference, one SDPA per sequence, which is already
-compute-bound. Where the kernel cannot serve a layer (no compiler, not float32, a head layout
-past its limits) the whole layer takes the reference, with the same results within rounding.
+compute-bound. Where the kernel cannot serve a layer (no compiler, neither float32 nor bfloat16,
+a head layout past its limits) the whole layer takes the reference, with the same results within
+rounding.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from services.worker.attention.cpu import kernel
 from services.worker.attention.metadata import AttentionMetadata, check_window
 from services.worker.attention.torch_paged import MAX_SHORT_QUERY, GroupPlan, TorchPagedAttention, attend_groups
+
+KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}   # kernel.PagedAttentionKernel.DTYPES
 
 
 class CpuPagedAttention:
@@ -41,8 +44,8 @@ class CpuPagedAttention:
         if plan.num_rows:
             tables = plan.block_tables
             self.kernel.attend_rows(
-                query.data_ptr(), query.stride(0), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                tables.ctypes.data, tables.shape[1], plan.rows.ctypes.data, plan.seqs.ctypes.data,
+                KERNEL_DTYPES[query.dtype], query.data_ptr(), query.stride(0), out.data_ptr(),
+                key_cache.data_ptr(), value_cache.data_ptr(), tables.ctypes.data, tables.shape[1], plan.rows.ctypes.data, plan.seqs.ctypes.data,
                 plan.starts.ctypes.data, plan.ends.ctypes.data, plan.num_rows, num_heads, key_cache.shape[2],
                 head_dim, key_cache.shape[1], scale, torch.get_num_threads())
         attend_groups(plan.long, query, key_cache, value_cache, scale, out)
@@ -52,7 +55,7 @@ class CpuPagedAttention:
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = key_cache.shape[2]
         return (self.kernel is not None and query.device.type == "cpu"
-                and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+                and query.dtype == key_cache.dtype == value_cache.dtype and query.dtype in KERNEL_DTYPES
                 and query.stride(2) == 1 and query.stride(1) == head_dim
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and num_heads % num_kv_heads == 0 and self.kernel.supports(num_heads // num_kv_heads, head_dim))

@@ -1,6 +1,7 @@
 """paged_attention.c, compiled for this machine on first use and called through ctypes.
 
-The C source is built with the system's C compiler (CC, else cc) into a per-user cache keyed by
+The C source (with paged_attention_rows.h, its rows kernel written once for float32 and
+bfloat16) is built with the system's C compiler (CC, else cc) into a per-user cache keyed by
 the source, the flags and the CPU, so a worker builds it once (well under a second) and later
 starts load it. -march=native needs the key's CPU: a cache shared by different machines keeps
 one build per CPU. It links the OpenMP runtime torch already loaded (libgomp.so.1, by soname),
@@ -24,21 +25,27 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from services.worker import cpu_features
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+HEADERS = (Path(__file__).with_name("paged_attention_rows.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class PagedAttentionKernel:
-    """The compiled library's two entry points, typed."""
+    """The compiled library's entry points, typed: the rows kernel per element type, its limits."""
+
+    DTYPES = ("float32", "bfloat16")
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._rows = library.llmserve_paged_attention_rows
-        self._rows.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I,
-                               ctypes.c_float, _I]
-        self._rows.restype = None
+        self._rows = {}
+        for dtype, symbol in zip(self.DTYPES, ("llmserve_paged_attention_rows", "llmserve_paged_attention_rows_bf16")):
+            rows = self._rows[dtype] = getattr(library, symbol)
+            rows.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I, ctypes.c_float, _I]
+            rows.restype = None
         self._supports = library.llmserve_paged_attention_limits
         self._supports.argtypes = [_I, _I]
         self._supports.restype = _I
@@ -47,11 +54,12 @@ class PagedAttentionKernel:
         """Whether a layer of num_heads / num_kv_heads = group and this head_dim fits the kernel."""
         return bool(self._supports(group, head_dim))
 
-    def attend_rows(self, query, query_row_stride: int, out, key_cache, value_cache, block_tables,
+    def attend_rows(self, dtype: str, query, query_row_stride: int, out, key_cache, value_cache, block_tables,
                     table_stride: int, rows, seqs, starts, ends, num_rows: int, num_heads: int,
                     num_kv_heads: int, head_dim: int, block_size: int, scale: float, num_threads: int) -> None:
-        """Pointers (ints) to float32 query/out/caches and int32 tables/rows/seqs/starts/ends."""
-        self._rows(query, query_row_stride, out, key_cache, value_cache, block_tables, table_stride, rows, seqs,
+        """Pointers (ints) to query/out/caches of `dtype` (one of DTYPES) and to int32
+        tables/rows/seqs/starts/ends."""
+        self._rows[dtype](query, query_row_stride, out, key_cache, value_cache, block_tables, table_stride, rows, seqs,
                    starts, ends, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads)
 
 
@@ -70,9 +78,9 @@ def load() -> PagedAttentionKernel | None:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
-                                     platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
+    sources = [path.read_bytes() for path in (SOURCE, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(),
+                                     platform.machine().encode(), cpu_features.flags_line()])).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve" / "kernels"
     library = cache / f"paged_attention-{key}.so"
     if library.exists():
@@ -87,11 +95,3 @@ def _build(compiler: str) -> Path:
         os.replace(built, library)
     return library
 
-
-def _cpu_flags() -> bytes:
-    """What -march=native compiles for: the CPU's feature flags (empty where /proc has none)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
-    except OSError:
-        return b""
