@@ -48,8 +48,8 @@ def test_bfloat16_layers_are_attended_in_float32_and_rounded_once(num_heads, num
 
 
 def test_bfloat16_nan_in_a_visible_value_stays_in_its_heads():
-    """A NaN value in a visible slot comes out NaN in the query heads of its KV head (rounding to
-    bfloat16 keeps it a NaN), and no other head or row sees it."""
+    """A NaN value in a visible slot comes out NaN in the query heads of its KV head, and no other
+    head or row sees it."""
     batch = make_batch([(20, 1), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                        dtype=torch.bfloat16)
     first_block = int(batch.meta.block_tables[0, 0])

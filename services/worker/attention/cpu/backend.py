@@ -19,7 +19,7 @@ from services.worker.attention.cpu import kernel
 from services.worker.attention.metadata import AttentionMetadata, check_window
 from services.worker.attention.torch_paged import MAX_SHORT_QUERY, GroupPlan, TorchPagedAttention, attend_groups
 
-KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}   # kernel.PagedAttentionKernel.DTYPES
+KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}   # kernel.PagedAttentionKernel.SYMBOLS
 
 
 class CpuPagedAttention:
@@ -45,9 +45,10 @@ class CpuPagedAttention:
             tables = plan.block_tables
             self.kernel.attend_rows(
                 KERNEL_DTYPES[query.dtype], query.data_ptr(), query.stride(0), out.data_ptr(),
-                key_cache.data_ptr(), value_cache.data_ptr(), tables.ctypes.data, tables.shape[1], plan.rows.ctypes.data, plan.seqs.ctypes.data,
-                plan.starts.ctypes.data, plan.ends.ctypes.data, plan.num_rows, num_heads, key_cache.shape[2],
-                head_dim, key_cache.shape[1], scale, torch.get_num_threads())
+                key_cache.data_ptr(), value_cache.data_ptr(), tables.ctypes.data, tables.shape[1],
+                plan.rows.ctypes.data, plan.seqs.ctypes.data, plan.starts.ctypes.data, plan.ends.ctypes.data,
+                plan.num_rows, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale,
+                torch.get_num_threads())
         attend_groups(plan.long, query, key_cache, value_cache, scale, out)
         return out
 

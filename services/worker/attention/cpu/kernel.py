@@ -25,8 +25,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from services.worker import cpu_features
-
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -38,13 +36,14 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 class PagedAttentionKernel:
     """The compiled library's entry points, typed: the rows kernel per element type, its limits."""
 
-    DTYPES = ("float32", "bfloat16")
+    SYMBOLS = {"float32": "llmserve_paged_attention_rows", "bfloat16": "llmserve_paged_attention_rows_bf16"}
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._rows = {}
-        for dtype, symbol in zip(self.DTYPES, ("llmserve_paged_attention_rows", "llmserve_paged_attention_rows_bf16")):
+        for dtype, symbol in self.SYMBOLS.items():
             rows = self._rows[dtype] = getattr(library, symbol)
-            rows.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I, ctypes.c_float, _I]
+            rows.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I,
+                             ctypes.c_float, _I]
             rows.restype = None
         self._supports = library.llmserve_paged_attention_limits
         self._supports.argtypes = [_I, _I]
@@ -54,13 +53,14 @@ class PagedAttentionKernel:
         """Whether a layer of num_heads / num_kv_heads = group and this head_dim fits the kernel."""
         return bool(self._supports(group, head_dim))
 
-    def attend_rows(self, dtype: str, query, query_row_stride: int, out, key_cache, value_cache, block_tables,
-                    table_stride: int, rows, seqs, starts, ends, num_rows: int, num_heads: int,
+    def attend_rows(self, dtype: str, query, query_row_stride: int, out, key_cache, value_cache,
+                    block_tables, table_stride: int, rows, seqs, starts, ends, num_rows: int, num_heads: int,
                     num_kv_heads: int, head_dim: int, block_size: int, scale: float, num_threads: int) -> None:
-        """Pointers (ints) to query/out/caches of `dtype` (one of DTYPES) and to int32
+        """Pointers (ints) to query/out/caches of `dtype` (a key of SYMBOLS) and to int32
         tables/rows/seqs/starts/ends."""
-        self._rows[dtype](query, query_row_stride, out, key_cache, value_cache, block_tables, table_stride, rows, seqs,
-                   starts, ends, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads)
+        self._rows[dtype](query, query_row_stride, out, key_cache, value_cache, block_tables, table_stride,
+                          rows, seqs, starts, ends, num_rows, num_heads, num_kv_heads, head_dim, block_size,
+                          scale, num_threads)
 
 
 @functools.cache
@@ -80,7 +80,7 @@ def load() -> PagedAttentionKernel | None:
 def _build(compiler: str) -> Path:
     sources = [path.read_bytes() for path in (SOURCE, *HEADERS)]
     key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(),
-                                     platform.machine().encode(), cpu_features.flags_line()])).hexdigest()[:16]
+                                     platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve" / "kernels"
     library = cache / f"paged_attention-{key}.so"
     if library.exists():
@@ -95,3 +95,11 @@ def _build(compiler: str) -> Path:
         os.replace(built, library)
     return library
 
+
+def _cpu_flags() -> bytes:
+    """What -march=native compiles for: the CPU's feature flags (empty where /proc has none)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return b""

@@ -6,9 +6,9 @@
  * starts[r] .. ends[r] - 1 of sequence seqs[r], whose blocks are block_tables[seqs[r]].
  * Each row is computed alone, in a fixed order: its result does not depend on the batch.
  *
- * Layouts (float32, or bfloat16 in the _bf16 variant): query [num_tokens, num_heads, head_dim] with rows query_row_stride apart
- * (a view into the fused QKV projection), its heads contiguous; out the same shape, contiguous;
- * key_cache and value_cache [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+ * Layouts (float32, or bfloat16 in the _bf16 variant): query [num_tokens, num_heads, head_dim]
+ * with rows query_row_stride apart (a view into the fused QKV projection), its heads contiguous;
+ * out the same shape, contiguous; key_cache and value_cache [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  * block_tables [num_seqs, table_stride] int32. A row's every visible position must map to a
  * block of its table: nothing else of the cache is read, so unused slots may hold anything.
  */
