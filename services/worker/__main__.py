@@ -56,15 +56,16 @@ async def start_engine(cfg: WorkerConfig, failed) -> StartedEngine:
         except RuntimeError as e:
             await client.stop()
             raise SystemExit(f"worker exits: {e}") from None
-        model = ServedModel(cfg.model.name, client.limits.max_model_len, cfg.model.dtype, client.vocab_size,
+        model = ServedModel(cfg.model.name, client.limits.max_model_len, client.dtype, client.vocab_size,
                             tool_call_format=client.tokenizer.tool_call_format)
         return StartedEngine(client, client.tokenizer, model, client.stop)
     # In process: model code and weights load here (the front end alone need not import them).
     from services.worker.engine.async_engine import AsyncEngine
-    from services.worker.engine.build import build_engine
+    from services.worker.engine.build import build_engine, dtype_name
     built = build_engine(cfg.model, cfg.engine)
     engine = built.engine
-    model = ServedModel(cfg.model.name, engine.limits.max_model_len, cfg.model.dtype, built.loaded.config.vocab_size,
+    model = ServedModel(cfg.model.name, engine.limits.max_model_len, dtype_name(built.dtype),
+                        built.loaded.config.vocab_size,
                         tool_call_format=built.loaded.tokenizer.tool_call_format)
     engine.grammars.warm_up()   # before serving: it holds the GIL for a moment
     async_engine = AsyncEngine(engine)

@@ -22,7 +22,7 @@ class ModelSourceConfig:
     # or "random:<shape>" (seeded random weights, e.g. random:llama-3-8b) for benchmarks.
     source: str = "smollm2"
     name: str = "smollm2-135m-instruct"
-    dtype: str = "float32"            # float32 | bfloat16 | float16
+    dtype: str = "float32"            # float32 | bfloat16 | float16 | auto (build.resolve_dtype)
     quantization: str = "none"        # none | int8 (CPU, float32: int8 weights, a quarter of the bytes)
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     seed: int = 0

@@ -31,7 +31,7 @@ def launcher():
 
 def test_written_configs_load_as_the_services_own(launcher, tmp_path):
     services = {s.name: s for s in launcher.plan({})}
-    assert list(services) == ["conversations", "worker-fp32", "worker-int8", "router", "gateway"]
+    assert list(services) == ["conversations", "worker", "worker-int8", "router", "gateway"]
     for service in services.values():
         path = tmp_path / f"{service.name}.yaml"
         path.write_text(yaml.safe_dump(launcher.dataclasses.asdict(service.config)))
@@ -94,7 +94,7 @@ def test_port_offset_and_var_dir_move_the_whole_platform(launcher, tmp_path):
     gateway = moved["gateway"].config
     assert (gateway.upstream.address, gateway.conversations.address) == (
         moved["router"].address, moved["conversations"].address)
-    assert set(moved["router"].config.models["smollm2-135m-instruct"].addresses) == {moved["worker-fp32"].address}
+    assert set(moved["router"].config.models["smollm2-135m-instruct"].addresses) == {moved["worker"].address}
     assert gateway.database.url == f"sqlite:///{tmp_path.resolve()}/gateway.db"
     assert moved["conversations"].config.store.url == f"sqlite:///{tmp_path.resolve()}/conversations.db"
     assert "http://127.0.0.1:9080/v1/chat/completions" in launcher.summary(list(moved.values()))

@@ -9,6 +9,7 @@ import torch
 
 from services.worker.attention.backend import select_backend
 from services.worker.config import EngineConfig, ModelSourceConfig
+from services.worker.cpu_features import has_native_bfloat16
 from services.worker.engine.llm_engine import EngineLimits, LLMEngine
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
@@ -39,10 +40,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """name "auto": bfloat16 on a GPU that has it (else float16) and on a CPU with bfloat16 matrix
+    units; float32 on other CPUs, where bfloat16 is emulated, and under int8 weights, whose
+    products take float32 activations."""
+    if name == "auto":
+        if quantization != "none":
+            return torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if device.type == "cpu" and has_native_bfloat16() else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
@@ -62,7 +76,8 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
 def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded: LoadedModel | None,
                   draft: LoadedModel | None, parallel: TensorParallelWorkers | None) -> BuiltEngine:
     device = parallel.device if parallel is not None else resolve_device(model_cfg.device)
-    dtype = resolve_dtype(model_cfg.dtype)
+    dtype = resolve_dtype(model_cfg.dtype, device, model_cfg.quantization)
+    kv_dtype = dtype_name(dtype)   # the caches hold the model's dtype
     attention = select_backend(engine_cfg.attention_backend, device)
     tp = parallel.tp if parallel is not None else SINGLE
     if loaded is None:
@@ -71,14 +86,14 @@ def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded
     draft = load_draft(engine_cfg, loaded, draft, dtype, device, attention, model_cfg.seed)
     cfg = loaded.config
     local = kv_shape(cfg, tp)   # this rank's KV heads: the whole model's at size 1
-    per_block = kv_bytes_per_token(local, model_cfg.dtype) * engine_cfg.block_size
+    per_block = kv_bytes_per_token(local, kv_dtype) * engine_cfg.block_size
     if draft is not None:   # the draft's cache has as many blocks and shares the memory budget
-        per_block += kv_bytes_per_token(draft.config, model_cfg.dtype) * engine_cfg.block_size
+        per_block += kv_bytes_per_token(draft.config, kv_dtype) * engine_cfg.block_size
     num_blocks = engine_cfg.num_blocks or int(engine_cfg.kv_cache_memory_gb * 2**30 // per_block)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_context_length, cfg.max_context_length,
                         (num_blocks - 1) * engine_cfg.block_size,
                         draft.config.max_context_length if draft is not None else cfg.max_context_length)
-    log.info(kv_cache_report(local, num_blocks, engine_cfg.block_size, model_cfg.dtype, max_model_len=max_model_len))
+    log.info(kv_cache_report(local, num_blocks, engine_cfg.block_size, kv_dtype, max_model_len=max_model_len))
     if parallel is not None:
         parallel.start(num_blocks)
     sampler = Sampler()

@@ -57,6 +57,7 @@ class EngineCoreClient:
         self.pid: int | None = None         # the core process
         self.limits: EngineLimits | None = None
         self.vocab_size = 0
+        self.dtype = ""
         self.max_context_length = 0
         self.tokenizer: Tokenizer | None = None
         self.processor: OutputProcessor | None = None
@@ -105,6 +106,7 @@ class EngineCoreClient:
         self.limits = EngineLimits(**info["limits"])
         self._stats = stats_from_wire(info["stats"])
         self.vocab_size, self.max_context_length = info["vocab_size"], info["max_context_length"]
+        self.dtype = info["dtype"]   # the model's, "auto" resolved
         t = info["tokenizer"]
         self.tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(t["json"]), t["bos_token_id"], t["eos_token_ids"],
                                    t["chat_template"])

@@ -52,7 +52,8 @@ def _serve(spec: RankSpec) -> None:
     from services.worker.parallel.group import local_kv_heads
     if spec.engine.num_threads:
         torch.set_num_threads(spec.engine.num_threads)
-    device, dtype = torch.device(spec.device), resolve_dtype(spec.model.dtype)
+    device = torch.device(spec.device)
+    dtype = resolve_dtype(spec.model.dtype, device, spec.model.quantization)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp, store = join_group(spec)

@@ -25,6 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from services.worker.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -80,7 +82,7 @@ def load() -> PagedAttentionKernel | None:
 def _build(compiler: str) -> Path:
     sources = [path.read_bytes() for path in (SOURCE, *HEADERS)]
     key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(),
-                                     platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
+                                     platform.machine().encode(), cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve" / "kernels"
     library = cache / f"paged_attention-{key}.so"
     if library.exists():
@@ -95,11 +97,3 @@ def _build(compiler: str) -> Path:
         os.replace(built, library)
     return library
 
-
-def _cpu_flags() -> bytes:
-    """What -march=native compiles for: the CPU's feature flags (empty where /proc has none)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
-    except OSError:
-        return b""

@@ -1,0 +1,28 @@
+"""What this CPU can do, read once from /proc/cpuinfo: the flags the CPU attention kernel is
+compiled for (its build key), and whether bfloat16 matrix products run natively, which decides
+the dtype "auto" picks on a CPU."""
+
+from __future__ import annotations
+
+import functools
+
+# x86: AVX-512 BF16 dot products (Cooper Lake, Zen 4 and later) or AMX tiles (Sapphire Rapids);
+# Arm: the BF16 extension (Graviton 3, Neoverse V1). Without one, oneDNN emulates bfloat16
+# products and they run many times slower than float32 (docs/perf/engine.md).
+BFLOAT16_FLAGS = frozenset({b"avx512_bf16", b"amx_bf16", b"bf16"})
+
+
+@functools.cache
+def cpu_flags() -> bytes:
+    """The CPU's feature-flag line ("flags" on x86, "Features" on Arm; empty where /proc has none)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return b""
+
+
+def has_native_bfloat16() -> bool:
+    """Whether bfloat16 matrix products run in hardware here."""
+    _, _, flags = cpu_flags().partition(b":")
+    return not BFLOAT16_FLAGS.isdisjoint(flags.split())
