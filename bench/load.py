@@ -6,8 +6,9 @@ then:
 1. Burst: 32 mixed chat requests (prompts of 20-400 tokens cut from real text, answers of 16-160,
    end-of-sequence banned so every answer has its length) sent at once with the openai SDK and its
    default retries, to the default model and to the int8 pool. Served, refused, aggregate tokens/s,
-   TTFT p95; the same prompts and lengths through transformers' generate in static batches of 8
-   and through llama-cpp-python's OpenAI server on the same GGUF (bench/engine.py's peers).
+   TTFT p95; the same prompts and lengths through transformers' generate in static batches of 8,
+   in each pool's dtype (the default pool's `auto` resolved on this CPU; float32 for int8), and
+   through llama-cpp-python's OpenAI server on the same GGUF (bench/engine.py's peers).
 2. Open loop: Poisson arrivals of the same mix at 0.5x, 1x, 2x and 4x the pool's capacity (the
    requests/s 64 clients sending back to back complete): admitted TTFT p95 against unloaded,
    per-stream speed against the target,
@@ -17,6 +18,7 @@ then:
    weight flooding together, then with weights 2:1 (shares of the tokens streamed), each with
    --share-streams streams: more than half the pool's limit together, or nobody waits (on a quiet
    2-core VM the limit is 15-30 streams; 12-01 ran 48).
+Every chat of 2 and 3 is a new one (`new_chat`): only the system prompt is in the prefix cache.
 
     python -m bench.load [--url URL --key KEY] [--port-base 47200] [--seconds 30]
                          [--llama-python PATH] [--parts burst,poisson,fairness,peers]
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -53,6 +56,7 @@ ADMIN_TOKEN = os.environ.get("LLMSERVE_ADMIN_TOKEN", "admin-local-dev")
 EOS_BAN = {"2": -100}   # SmolLM2's <|im_end|>: answers run to their max_tokens, as the peers' do
 LLAMA_PORT = 10         # the llama-cpp-python server listens on --port-base + this
 CAPACITY_STREAMS = 64   # clients of the capacity loop: the most the gateway admits (max_in_flight_per_model)
+CHAT_NUMBERS = itertools.count(1)
 
 
 # -- the workload --------------------------------------------------------------------------------
@@ -79,10 +83,20 @@ class Result:
         return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else None
 
 
+def new_chat(prompt: str) -> str:
+    """The prompt as a chat nobody sent before: a request number ahead of it, so only the chat
+    template's system prompt is in the prefix cache. The open loop and the fairness phases cycle
+    through 32 prompts; sent as they are, each was a cache hit after its first time: the unloaded
+    p95 was 94 ms in bfloat16 (12-03), against 0.83 s in float32 (12-02), whose cache holds half as
+    many tokens and had likely evicted them under the capacity loop's 64 streams."""
+    return f"({next(CHAT_NUMBERS)}) {prompt}"
+
+
 async def stream_once(session: aiohttp.ClientSession, url: str, key: str, model: str, prompt: str,
                       max_tokens: int, org: str = "") -> Result:
-    """One streamed chat over plain HTTP (no retries: refusals are counted, not hidden)."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_completion_tokens": max_tokens,
+    """One streamed chat over plain HTTP, as a new chat (no retries: refusals are counted, not hidden)."""
+    body = {"model": model, "messages": [{"role": "user", "content": new_chat(prompt)}],
+            "max_completion_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": EOS_BAN}
     start = time.monotonic()
     try:
@@ -168,13 +182,25 @@ async def burst(url: str, key: str, model: str, prompts: list[tuple[str, int]]) 
                 gateway_trace=[{**g, "t": round(g["t"] - gauges[0]["t"])} for g in gauges])
 
 
-def transformers_burst(tokenizer, prompts: list[tuple[str, int]]) -> dict:
+def pool_dtypes() -> dict[str, str]:
+    """Each pool's model -> the dtype its `make run` worker computes in ("auto" resolved here, on
+    the same CPU): the transformers peer of a pool runs in that dtype."""
+    import torch
+
+    from services.worker.config import WorkerConfig
+    from services.worker.engine.build import dtype_name, resolve_dtype
+    workers = [s.config.model for s in launcher().plan({}) if isinstance(s.config, WorkerConfig)]
+    return {m.name: dtype_name(resolve_dtype(m.dtype, torch.device("cpu"), m.quantization)) for m in workers}
+
+
+def transformers_burst(tokenizer, prompts: list[tuple[str, int]], dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from services.worker.model.gguf_loader import smollm2_gguf_path
     path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              torch_dtype=getattr(torch, dtype)).eval()
     requests = [(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])), m)
                 for p, m in prompts]
     return run_transformers(hf, requests)
@@ -451,10 +477,11 @@ def _f(value, digits: int = 2) -> str:
 
 def render(d: dict) -> str:
     """docs/perf/load.md from the figures."""
-    t = d.get("targets", {})
+    t, dtypes = d.get("targets", {}), d.get("dtypes", {})
     lines = ["# Load: admission through `make run`", "",
              f"`make bench-load` (python -m bench.load), platform parts started {d.get('started', '?')}, peers "
-             f"{d.get('peers_started', 'not run')}. `make run` as it ships: the float32 worker on every core, the "
+             f"{d.get('peers_started', 'not run')}. `make run` as it ships: the default worker on every core in "
+             f"{dtypes.get(MODEL, 'float32')} (its dtype auto on this CPU), the "
              f"int8 pool on one thread, the gateway admitting from the workers' reports with the CPU targets "
              f"(first token {t.get('ttft_target_s')} s, {t.get('stream_tokens_per_s')} tokens/s per stream, queue "
              f"wait at most {t.get('queue_timeout_s')} s). Mixed chat: prompts of 20-400 tokens, answers of 16-160 "
@@ -463,18 +490,21 @@ def render(d: dict) -> str:
     if d.get("notes"):
         lines += ["Caveats of this run:", "", *[f"- {note}" for note in d["notes"]], ""]
     burst = d.get("burst") or []
-    hf, llama = d.get("transformers"), d.get("llama_cpp")
+    hf, llama = d.get("transformers") or {}, d.get("llama_cpp")
+    if "tps" in hf:   # a report from before the peer ran per dtype: float32 then
+        hf = {"float32": hf}
     if burst:
         lines += ["## Burst: 32 at once with the openai SDK (default retries)", "",
                   "| model | served | refused | tokens/s | TTFT p50 (s) | TTFT p95 (s) | vs transformers | vs llama.cpp |",
                   "|---|---|---|---|---|---|---|---|"]
         for b in burst:
-            vs_hf = _f(b["tps"] / hf["tps"]) + "x" if hf and hf.get("tps") else "-"
+            peer = hf.get(dtypes.get(b["model"]), {})
+            vs_hf = _f(b["tps"] / peer["tps"]) + f"x ({dtypes[b['model']]})" if peer.get("tps") else "-"
             vs_ll = _f(b["tps"] / llama["tps"]) + "x" if llama and llama.get("tps") else "-"
             lines.append(f"| {b['model']} | {b['served']}/{b['requests']} | {b['refused']} | {_f(b['tps'], 1)} | "
                          f"{_f(b['ttft_p50'])} | {_f(b['ttft_p95'])} | {vs_hf} | {vs_ll} |")
-        if hf:
-            lines.append(f"| transformers, static batches of 8 | | | {_f(hf['tps'], 1)} | | | | |")
+        for dtype, run in sorted(hf.items()):
+            lines.append(f"| transformers in {dtype}, static batches of 8 | | | {_f(run['tps'], 1)} | | | | |")
         if llama and llama.get("tps"):
             lines.append(f"| llama-cpp-python server (Q4_1 GGUF) | | | {_f(llama['tps'], 1)} | | "
                          f"{_f(llama['ttft_p95'])} | | |")
@@ -615,7 +645,7 @@ def main() -> None:
                    queue_timeout_s=overload.queue_timeout_s)
     tokenizer = smollm2_tokenizer()
     prompts = mixed_prompts(tokenizer, args.requests)
-    data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), targets=targets,
+    data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), targets=targets, dtypes=pool_dtypes(),
                       requests=args.requests, seconds=args.seconds, fairness_seconds=args.fairness_seconds)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
@@ -646,7 +676,9 @@ def main() -> None:
         except RuntimeError as e:
             peers["llama_cpp"] = {"error": str(e)}
         print("llama-cpp", json.dumps(peers["llama_cpp"]), flush=True)
-        peers["transformers"] = transformers_burst(tokenizer, prompts)
+        # One run per dtype the pools compute in, so each pool is compared in its own dtype.
+        peers["transformers"] = {dtype: transformers_burst(tokenizer, prompts, dtype)
+                                 for dtype in sorted(set(data["dtypes"].values()))}
         print("transformers", json.dumps(peers["transformers"]), flush=True)
         write_report(peers)
 
