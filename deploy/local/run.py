@@ -55,7 +55,7 @@ from services.worker import config as worker_config  # noqa: E402
 HOST = "127.0.0.1"
 # (name, model, dtype, quantization, torch threads (0: every core), port, metrics port). An idle
 # worker takes no CPU, so the default model gets every core, in bfloat16 where the CPU multiplies
-# it natively (2.3x float32's tokens/s on a Zen 4 burst, docs/perf/engine.md), else float32; the
+# it natively (1.8-2.3x float32's tokens/s on a Zen 4 burst, docs/perf/engine.md), else float32; the
 # second pool, there to show several pools, is the int8 variant, fast on one thread.
 WORKER_MODELS = (("worker", "smollm2-135m-instruct", "auto", "none", 0, 50051, 9151),
                  ("worker-int8", "smollm2-135m-instruct-int8", "float32", "int8", 1, 50052, 9152))

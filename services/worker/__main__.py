@@ -61,10 +61,10 @@ async def start_engine(cfg: WorkerConfig, failed) -> StartedEngine:
         return StartedEngine(client, client.tokenizer, model, client.stop)
     # In process: model code and weights load here (the front end alone need not import them).
     from services.worker.engine.async_engine import AsyncEngine
-    from services.worker.engine.build import build_engine, dtype_name
+    from services.worker.engine.build import build_engine
     built = build_engine(cfg.model, cfg.engine)
     engine = built.engine
-    model = ServedModel(cfg.model.name, engine.limits.max_model_len, dtype_name(built.dtype),
+    model = ServedModel(cfg.model.name, engine.limits.max_model_len, built.dtype_name,
                         built.loaded.config.vocab_size,
                         tool_call_format=built.loaded.tokenizer.tool_call_format)
     engine.grammars.warm_up()   # before serving: it holds the GIL for a moment

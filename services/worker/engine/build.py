@@ -33,6 +33,11 @@ class BuiltEngine:
     dtype: torch.dtype
     parallel: TensorParallelWorkers | None = None   # ranks 1..N-1 of a tensor-parallel worker
 
+    @property
+    def dtype_name(self) -> str:
+        """The model's dtype as configs name it ("auto" resolved): what the worker reports."""
+        return dtype_name(self.dtype)
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

@@ -110,13 +110,12 @@ class CoreLoop:
 
 
 def ready_info(built) -> dict:
-    from services.worker.engine.build import dtype_name
     engine, tokenizer = built.engine, built.loaded.tokenizer
     limits = engine.limits
     return {
         "limits": {f: getattr(limits, f) for f in limits.__dataclass_fields__},
         "vocab_size": engine.vocab_size,
-        "dtype": dtype_name(built.dtype),
+        "dtype": built.dtype_name,
         "max_context_length": built.loaded.config.max_context_length,
         "tokenizer": {"json": tokenizer.backend.to_str(), "bos_token_id": tokenizer.bos_token_id,
                       "eos_token_ids": tokenizer.eos_token_ids, "chat_template": tokenizer.chat_template},
