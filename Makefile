@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-gpu bench-spec bench-gateway bench-router bench-load images test-images docker-tools lint clean
+.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-step-budget bench-gpu bench-spec bench-gateway bench-router bench-load images test-images docker-tools lint clean
 
 install: $(STAMP) protos
 
@@ -57,6 +57,10 @@ sizing: install
 
 bench-engine: install
 	$(PYTHON) -m bench.engine
+
+# The engine alone under one tenant's flood, with and without engine.max_step_time_s.
+bench-step-budget: install
+	$(PYTHON) -m bench.step_budget
 
 bench-spec: install
 	$(PYTHON) -m bench.spec --quantization int8 --threads 1

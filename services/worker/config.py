@@ -35,6 +35,11 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     max_num_seqs: int = 64            # running sequences per step
     max_num_batched_tokens: int = 512 # token budget per step (chunked prefill beyond it)
+    # A step that decodes takes prompt work beside it only as far as it still ends within this
+    # many seconds, from the measured decode line and prefill rate (Sarathi-Serve's stall-free
+    # batching): streams keep their pace and a newcomer's wait for the step in progress stays
+    # short. A step with nothing decoding takes max_num_batched_tokens. 0: no such bound.
+    max_step_time_s: float = 0.0
     max_model_len: int = 0            # 0: the model's context length
     enable_prefix_caching: bool = True
     # Models whose every layer slides (Mistral with sliding_window): blocks wholly outside the

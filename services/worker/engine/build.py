@@ -23,6 +23,7 @@ from services.worker.spec.ngram import NgramProposer
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_STEP_TIME_S = 60.0
 
 
 @dataclass
@@ -67,6 +68,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
                  loaded: LoadedModel | None = None, draft: LoadedModel | None = None) -> BuiltEngine:
     """loaded, draft: the target and draft models when already loaded (tests share them)."""
+    if not 0 <= engine_cfg.max_step_time_s <= MAX_STEP_TIME_S:
+        raise ValueError(f"engine.max_step_time_s must be in [0, {MAX_STEP_TIME_S:g}] seconds (0: no bound), "
+                         f"got {engine_cfg.max_step_time_s}")
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
     parallel = start_tensor_parallel(model_cfg, engine_cfg)   # None at tensor_parallel_size 1
@@ -115,6 +119,7 @@ def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded
                           max_num_seqs=engine_cfg.max_num_seqs,
                           max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
                           enable_prefix_caching=engine_cfg.enable_prefix_caching,
+                          max_step_time_s=engine_cfg.max_step_time_s,
                           sliding_window=releasable_window(cfg, draft) if engine_cfg.release_window_blocks else None)
     # A proposer is always there, so a request can ask for speculation on a worker whose
     # default k is 0 (a draft model therefore keeps its cache up to date in every step).

@@ -151,7 +151,7 @@ class EngineCore:
         overlap = self.async_scheduling and not self._num_sync_choices
         if self._in_flight is not None and not overlap:
             return self._apply_in_flight()   # the next plan needs its tokens on the host
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._prompt_budget())
         if not plan.scheduled:
             return self._apply_in_flight() if self._in_flight is not None else []
         started = time.monotonic()
@@ -173,6 +173,11 @@ class EngineCore:
         if not overlap:
             outputs += self._apply_in_flight()
         return outputs
+
+    def _prompt_budget(self) -> int | None:
+        """The prompt tokens the next step may take beside its decodes (limits.max_step_time_s)."""
+        step_s = self.limits.max_step_time_s
+        return self.load_stats.prompt_budget(self.scheduler.num_decoding(), step_s) if step_s else None
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
         plan, pending, started = self._in_flight

@@ -136,6 +136,11 @@ class FairQueue:
         t = self._tenants.get(tenant)
         return t.counter if t else None
 
+    def head_rank(self) -> float:
+        """Where peek()'s request stands against other tenants: its tenant's counter, or -inf for a
+        preempted one (ahead of everyone)."""
+        return -math.inf if self._preempted else self._tenants[self.peek().share.tenant].counter
+
     # -- views ---------------------------------------------------------------------------------
 
     def __len__(self) -> int:

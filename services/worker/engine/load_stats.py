@@ -31,6 +31,7 @@ DECAY = 0.99               # weight of older decode steps in the line, per decod
 PREFILL_DECAY = 0.9        # weight of older prefilling steps in the prefill rate, per such step
 PRIOR_PER_SEQ = 0.1
 MIN_SPREAD = 0.25          # variance of the batch sizes the line needs before its slope is fitted
+MIN_PROMPT_BUDGET = 64     # prompt tokens a step takes however long its decodes: queued prompts still move
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,17 @@ class LoadStats:
         decoding_s = line[0] + line[1] * decodes if line and decodes else 0.0
         self._prefill_tokens = self._prefill_tokens * PREFILL_DECAY + prefill
         self._prefill_seconds = self._prefill_seconds * PREFILL_DECAY + max(0.0, duration_s - decoding_s)
+
+    def prompt_budget(self, decoding: int, step_time_s: float) -> int | None:
+        """The prompt tokens a step beside `decoding` decodes takes and still ends within
+        step_time_s: what the decode line leaves, at the measured prefill rate, and at least
+        MIN_PROMPT_BUDGET. None while nothing decodes (nobody's pace to keep) or before both
+        were measured."""
+        line = self._decode_line.solve() if decoding else None
+        if line is None or self._prefill_seconds <= 0:
+            return None
+        left_s = step_time_s - (line[0] + line[1] * decoding)
+        return max(MIN_PROMPT_BUDGET, int(left_s * self._prefill_tokens / self._prefill_seconds))
 
     def snapshot(self, scheduler: Scheduler) -> LoadSnapshot:
         queued = sum(r.num_tokens for r in scheduler.waiting)

@@ -5,7 +5,10 @@ is granted the tokens it still lacks (1 for a decode, 1 + k while verifying k sp
 tokens, the rest of its prompt, chunked, while prefilling). Waiting requests are admitted
 after them while the budget, the free blocks and the running cap allow, tenants in weighted
 fair order by tokens served (fair_queue.py; one tenant: first come first served); the head of
-the queue is never skipped, so nobody starves. When a running request
+the queue is never skipped, so nobody starves. Prompt work (running requests' chunks, admissions)
+may be bounded further per step (schedule's prompt_budget, from the engine's max_step_time_s), and
+a running request's next chunk leaves room for the head of the queue when that belongs to another
+tenant ranked no later (_head_claim). When a running request
 cannot get a block, the most recently admitted request is preempted: its blocks are freed
 and it goes back to the head of the queue, to be recomputed (its finished prefix blocks stay
 findable in the prefix cache, so recompute is often cheap).
@@ -33,6 +36,7 @@ tokens it sampled itself: any it sampled past a stop belong to a request that le
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -140,10 +144,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def num_decoding(self) -> int:
+        """Running requests past their prompt: the streams a step's prompt work delays."""
+        return sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+
+    def schedule(self, prompt_budget: int | None = None) -> SchedulerOutput:
+        """prompt_budget: the most prompt tokens (chunks, admissions, recomputes) the step takes
+        beside its decodes (None: only max_num_batched_tokens bounds them)."""
         self.kv.begin_step()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prompt = budget if prompt_budget is None else min(budget, prompt_budget)
+        head_need, head_tenant, head_rank = self._head_claim(prompt)
+        counter = self.waiting.counter
         running, scheduled, allocate = self.running, out.scheduled, self.kv.allocate
         i = 0
         while i < len(running) and budget > 0:
@@ -155,6 +168,17 @@ class Scheduler:
             num_tokens, num_computed = num_known + placeholders, request.num_computed_tokens
             num_spec = request.num_spec_tokens if num_computed == num_tokens - 1 else 0
             num_new = num_tokens + num_spec - num_computed
+            chunk = num_computed < num_tokens - 1
+            if chunk:                          # prompt work: within the prompt budget, in fair order
+                cap = prompt
+                tenant = request.share.tenant
+                if head_need and tenant != head_tenant and counter(tenant) >= head_rank:
+                    cap -= head_need
+                if cap <= 0:
+                    i += 1
+                    continue
+                if num_new > cap:
+                    num_new = cap
             if num_new > budget:
                 num_new = budget
             if num_spec:
@@ -168,15 +192,33 @@ class Scheduler:
             else:
                 scheduled.append(self._scheduled(request, num_new, num_spec))
                 budget -= num_new
+                if chunk:
+                    prompt -= num_new
                 i += 1
                 continue
             break
         if not out.preempted:   # else the pool is full: admitting now would only preempt again
-            self._admit(out, budget)
+            self._admit(out, min(budget, prompt))
         self.waiting.charge(scheduled)
         if scheduled:   # a plan with nothing scheduled never reaches the runner
             out.finished_ids, self._left = self._left, []
         return out
+
+    def _head_claim(self, prompt: int) -> tuple[int, str, float]:
+        """What the head of the queue would take of the step's prompt budget, its tenant and the
+        tenant's counter, when it can be admitted now; (0, "", inf) otherwise. A running request of
+        another tenant not ranked before it (a counter as large: a tenant that turns active takes
+        the smallest active counter) leaves it that much of its next chunk: under one tenant's
+        flood, another's newcomer is prefilled in the next step, not behind the flood's prompts."""
+        waiting = self.waiting
+        if not waiting or len(self.running) >= self.config.max_num_seqs:
+            return 0, "", math.inf
+        head, rank = waiting.peek(), waiting.head_rank()
+        _, num_cached = self.kv.find_cached_prefix(head)
+        need = min(head.num_tokens - num_cached, prompt)
+        if -(-need // self.kv.block_size) > self.kv.pool.num_free_blocks:
+            return 0, "", math.inf             # it would not fit: holding the budget back only stalls
+        return need, head.share.tenant, rank
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

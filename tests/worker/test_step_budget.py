@@ -1,0 +1,114 @@
+"""The prompt work a step takes beside its decodes: bounded so the step ends within
+engine.max_step_time_s (load_stats.prompt_budget, Scheduler.schedule), and shared in fair order,
+so another tenant's newcomer is not kept behind a running request's next chunk."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.config import EngineConfig, ModelSourceConfig
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.build import build_engine
+from services.worker.engine.fair_queue import FairShare
+from services.worker.engine.kv_cache_manager import KVCacheManager
+from services.worker.engine.load_stats import MIN_PROMPT_BUDGET, LoadStats
+from services.worker.engine.request import Request
+from services.worker.engine.sampling_params import SamplingParams
+from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from tests.worker.test_engine import greedy, make_engine
+from tests.worker.test_fair_scheduler import _step
+from tests.worker.test_kv_cache import run_step, sampled_tokens
+
+
+def request(rid: str, prompt: int, tenant: str = "", max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(3, 3 + prompt)), SamplingParams(temperature=0), max_tokens, [2],
+                   share=FairShare(tenant))
+
+
+def scheduler(budget: int = 64, blocks: int = 256) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget), KVCacheManager(BlockPool(blocks), 4, False))
+
+
+def tokens_of(out) -> dict[str, int]:
+    return {item.request_id: item.num_new_tokens for item in out.scheduled}
+
+
+def test_the_prompt_budget_bounds_chunks_and_admissions_but_not_decodes():
+    sched = scheduler()
+    sched.add(request("decoding", 4))
+    run_step(sched)                                    # its prompt: it decodes from now on
+    sched.add(request("long", 100))
+    out = sched.schedule(prompt_budget=10)
+    assert tokens_of(out) == {"decoding": 1, "long": 10}
+    sched.update_from_output(out, sampled_tokens(out), now=0.0)
+    sched.add(request("short", 6))
+    out = sched.schedule(prompt_budget=10)             # the running chunk and the admission share it
+    assert tokens_of(out) == {"decoding": 1, "long": 10}
+    sched.update_from_output(out, sampled_tokens(out), now=0.0)
+    assert tokens_of(run_step(sched)) == {"decoding": 1, "long": 63}   # no bound: the token budget's
+
+
+def test_a_newcomer_of_another_tenant_is_prefilled_before_a_flood_s_next_chunk():
+    sched = scheduler()
+    sched.add(request("a-long", 200, "A"))
+    run_step(sched)                                    # A's prompt: 64 of 200 computed
+    sched.add(request("b-short", 10, "B"))             # B turns active at A's counter
+    sched.add(request("a-next", 10, "A"))
+    assert tokens_of(run_step(sched)) == {"a-long": 54, "b-short": 10}
+    # within a tenant, the running request keeps its turn: a-next waits for a-long's prompt
+    assert "a-next" not in tokens_of(run_step(sched))
+
+
+def test_a_newcomer_that_cannot_get_blocks_holds_no_budget_back():
+    sched = scheduler(blocks=31)                       # 30 usable blocks of 4 tokens
+    sched.add(request("a-long", 100, "A"))
+    run_step(sched)                                    # 64 tokens: 16 blocks, 14 left
+    sched.add(request("b-big", 60, "B"))               # 15 blocks
+    assert tokens_of(run_step(sched)) == {"a-long": 36}   # its rest, not 64 - 60 for one that cannot run
+
+
+def test_prompt_budget_is_what_the_decode_line_leaves_at_the_prefill_rate():
+    stats = LoadStats()
+    assert stats.prompt_budget(8, 0.2) is None                   # nothing measured
+    for i in range(100):
+        decodes = (1, 2, 4, 8, 16)[i % 5]
+        _step(stats, decodes, 0, 0.010 + 0.002 * decodes)
+        if i % 5 == 0:   # 512 prompt tokens beside the decodes at 0.25 ms a token
+            _step(stats, decodes, 512, 0.010 + 0.002 * decodes + 0.128)
+    # 0.1 s left by 8 decodes' 26 ms: 74 ms of prompt at 4000 tokens/s
+    assert stats.prompt_budget(8, 0.1) == pytest.approx(296, abs=1)
+    assert stats.prompt_budget(0, 0.1) is None                   # nobody's pace to keep
+    assert stats.prompt_budget(64, 0.1) == MIN_PROMPT_BUDGET     # decodes alone overrun it: prompts still move
+
+
+def test_an_engine_bounds_prompt_chunks_beside_decodes_and_answers_the_same(smollm2):
+    tokenizer = smollm2.tokenizer
+    long_ids = tokenizer.encode("The history of paged memory in operating systems. " * 30)[:300]
+    outputs = {}
+    for step_s in (0.0, 1e-3):
+        engine = make_engine(smollm2, max_step_time_s=step_s)
+        engine.add_request("first", [5, 6, 7, 8], greedy(40))
+        for _ in range(6):
+            engine.step()                              # its prompt, then decode-only steps
+        engine.add_request("long", long_ids, greedy(4))
+        chunks, results = [], {"first": [], "long": []}
+        while engine.has_work():
+            long = next((r for r in engine.scheduler.running if r.request_id == "long"), None)
+            before = long.num_computed_tokens if long else 0
+            for out in engine.step():
+                results[out.request_id] += out.token_ids
+            long = next((r for r in engine.scheduler.running if r.request_id == "long"), None)
+            if long is not None and long.num_computed_tokens > before and before < len(long_ids):
+                chunks.append(long.num_computed_tokens - before)
+        outputs[step_s] = results
+        if step_s:   # 1 ms: the least budget, while "first" decodes
+            assert max(chunks) == MIN_PROMPT_BUDGET, chunks
+        else:
+            assert chunks[0] > MIN_PROMPT_BUDGET, chunks
+    assert outputs[0.0] == outputs[1e-3]
+
+
+@pytest.mark.parametrize("step_s", [-0.1, 61.0])
+def test_a_step_time_out_of_range_is_refused_at_start(step_s):
+    with pytest.raises(ValueError, match="engine.max_step_time_s must be in"):
+        build_engine(ModelSourceConfig(), EngineConfig(max_step_time_s=step_s))
