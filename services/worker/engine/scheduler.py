@@ -155,7 +155,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         prompt = budget if prompt_budget is None else min(budget, prompt_budget)
-        head_need, head_tenant, head_rank = self._head_claim(prompt)
+        claim = None   # the head of the queue's (_head_claim), looked up at the first chunk: most steps have none
         counter = self.waiting.counter
         running, scheduled, allocate = self.running, out.scheduled, self.kv.allocate
         i = 0
@@ -170,6 +170,9 @@ class Scheduler:
             num_new = num_tokens + num_spec - num_computed
             chunk = num_computed < num_tokens - 1
             if chunk:                          # prompt work: within the prompt budget, in fair order
+                if claim is None:
+                    claim = self._head_claim(prompt)
+                head_need, head_tenant, head_rank = claim
                 cap = prompt
                 tenant = request.share.tenant
                 if head_need and tenant != head_tenant and counter(tenant) >= head_rank:
