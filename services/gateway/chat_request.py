@@ -18,8 +18,11 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # Accepted and ignored: they change nothing about the answer.
 IGNORED = {"user", "metadata", "service_tier", "store", "safety_identifier", "reasoning_effort", "verbosity"}
 UNSUPPORTED = {"functions", "function_call", "modalities", "audio", "prediction", "web_search_options"}
+# vLLM's sampling extensions (the openai SDK sends them in extra_body): benchmarks and agent
+# frameworks written against vLLM pass them, and the worker's sampler implements each.
+ENGINE_SAMPLING_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids"}
 SAMPLING_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "n", "stop", "seed",
-                   "presence_penalty", "frequency_penalty", "logit_bias", "prompt_cache_key"}
+                   "presence_penalty", "frequency_penalty", "logit_bias", "prompt_cache_key"} | ENGINE_SAMPLING_FIELDS
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs",
                                  "conversation_id", "response_format", "structured_outputs", "tools", "tool_choice",
                                  "parallel_tool_calls"}
@@ -46,12 +49,21 @@ class SamplingRequest:
     top_logprobs: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     prompt_cache_key: str = ""
+    top_k: int = 0                        # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
 
     def sampling(self) -> worker_pb2.SamplingParams:
         params = worker_pb2.SamplingParams(
             max_tokens=self.max_tokens or 0, n=self.n, stop=self.stop, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-            logit_bias=self.logit_bias)
+            logit_bias=self.logit_bias, top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids)
+        if self.repetition_penalty is not None:
+            params.repetition_penalty = self.repetition_penalty
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:
@@ -241,7 +253,7 @@ def parse_model(body: dict) -> str:
 
 def parse_sampling(body: dict, req: SamplingRequest, max_token_names: tuple[str, ...]) -> None:
     """stream, stream_options, max tokens (the first of max_token_names given), temperature, top_p,
-    n, seed, penalties, stop, logit_bias and prompt_cache_key, into req."""
+    n, seed, penalties, stop, logit_bias, prompt_cache_key and vLLM's extensions, into req."""
     req.stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None:
@@ -275,3 +287,29 @@ def parse_sampling(body: dict, req: SamplingRequest, max_token_names: tuple[str,
     if key is not None and not isinstance(key, str):
         raise invalid("prompt_cache_key must be a string", "prompt_cache_key", "invalid_type")
     req.prompt_cache_key = key or ""
+    parse_engine_sampling(body, req)
+
+
+MAX_STOP_TOKEN_IDS = 64
+TOKEN_ID_MAX = (1 << 31) - 1
+
+
+def parse_engine_sampling(body: dict, req: SamplingRequest) -> None:
+    """vLLM's extensions, with vLLM's ranges (top_k -1 is its old spelling of off). Token ids are
+    checked against the vocabulary by the worker, which knows it."""
+    top_k = integer(body, "top_k", -1, TOKEN_ID_MAX)
+    req.top_k = max(top_k or 0, 0)
+    req.min_p = number(body, "min_p", 0, 1) or 0.0
+    req.repetition_penalty = number(body, "repetition_penalty", 0, 10, lo_open=True)
+    req.min_tokens = integer(body, "min_tokens", 0, 1 << 31) or 0
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise invalid(f"min_tokens ({req.min_tokens}) must not exceed the maximum tokens ({req.max_tokens})",
+                      "min_tokens", "invalid_value")
+    req.ignore_eos = boolean(body, "ignore_eos")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= TOKEN_ID_MAX for t in ids):
+            raise invalid(f"stop_token_ids must be an array of up to {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)",
+                          "stop_token_ids", "invalid_value")
+        req.stop_token_ids = ids

@@ -77,6 +77,15 @@ def test_malformed_json(gateway, key):
     ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ({"seed": "x"}, "seed", "invalid_type"),
     ({"conversation_id": ""}, "conversation_id", "invalid_type"),
+    ({"top_k": -2}, "top_k", "invalid_value"),                                      # vLLM's extensions
+    ({"top_k": 1.5}, "top_k", "invalid_type"),
+    ({"min_p": 1.5}, "min_p", "invalid_value"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"min_tokens": -1}, "min_tokens", "invalid_value"),
+    ({"min_tokens": 9, "max_completion_tokens": 8}, "min_tokens", "invalid_value"),
+    ({"ignore_eos": "yes"}, "ignore_eos", "invalid_type"),
+    ({"stop_token_ids": [1, -3]}, "stop_token_ids", "invalid_value"),
+    ({"stop_token_ids": "2"}, "stop_token_ids", "invalid_value"),
 ])
 def test_invalid_fields_name_the_param(gateway, key, patch, param, code):
     body = {**OK, **patch}

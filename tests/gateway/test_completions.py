@@ -47,6 +47,8 @@ def test_token_ids_and_stream_with_usage(gateway, client):
     ({"best_of": 3}, "best_of", "unsupported_value"),
     ({"messages": []}, "messages", "unknown_parameter"),
     ({"max_tokens": 5000}, "max_tokens", "invalid_value"),
+    ({"min_tokens": 17}, "min_tokens", "invalid_value"),          # past the default max_tokens, 16
+    ({"ignore_eos": 1}, "ignore_eos", "invalid_type"),
 ])
 def test_bad_completion_requests_name_the_param(gateway, key, patch, param, code):
     body = {k: v for k, v in {"model": "fake-model", "prompt": "hi", **patch}.items() if v is not None}

@@ -18,6 +18,7 @@ from tests.gateway.test_disconnect import read_until, send_request
 from tests.procs import free_port, service
 
 MODEL = "smollm2-135m-instruct"
+IM_END = 2      # SmolLM2's <|im_end|>, its EOS
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,31 @@ async def test_async_sdk_stop_finish(real, key):
                                               max_completion_tokens=200, temperature=0)
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens < 200
     await sdk.close()
+
+
+def test_vllm_sampling_extensions_reach_the_engine(real, key):
+    """extra_body as vLLM's clients send it: ignore_eos runs to max tokens where the answer would
+    stop; min_tokens holds EOS off; a stop token id ends it even so; top_k 1 is greedy at any
+    temperature; a token id outside the vocabulary is the worker's 400, naming it."""
+    sdk = openai.OpenAI(base_url=real.base_url + "/v1", api_key=key)
+
+    def ask(temperature=0.0, **extra):
+        return sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                           max_completion_tokens=120, temperature=temperature, seed=7,
+                                           extra_body=extra)
+
+    short = ask()
+    answered = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and answered < 60
+    held = ask(ignore_eos=True)
+    assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 120
+    assert held.choices[0].message.content.startswith(short.choices[0].message.content)
+    assert ask(min_tokens=answered + 5).usage.completion_tokens >= answered + 5
+    stopped = ask(ignore_eos=True, stop_token_ids=[IM_END])        # the chat template's end of turn
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == answered
+    assert ask(temperature=1.5, top_k=1).choices[0].message.content == short.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        ask(stop_token_ids=[10_000_000])
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

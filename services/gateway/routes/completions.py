@@ -51,10 +51,9 @@ def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     check_fields(body, FIELDS, IGNORED, set())
-    req = CompletionRequest(model=parse_model(body))
+    req = CompletionRequest(model=parse_model(body), max_tokens=DEFAULT_MAX_TOKENS)   # before min_tokens' check
     req.prompt, req.token_ids = _prompt(body.get("prompt"))
     parse_sampling(body, req, ("max_tokens",))
-    req.max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
     top = integer(body, "logprobs", 0, 5)
     if top is not None:
         req.logprobs, req.top_logprobs = True, top
