@@ -16,13 +16,14 @@ then:
 3. Fairness: one organization flooding with 24 concurrent streams while a second sends one short
    chat at a time (its refusals and TTFT p95 against its unloaded TTFT); two organizations of equal
    weight flooding together, then with weights 2:1 (shares of the tokens streamed), each with
-   --share-streams streams: more than half the pool's limit together, or nobody waits (on a quiet
-   2-core VM the limit is 15-30 streams; 12-01 ran 48).
+   --share-streams streams, by default the gateway's overload.max_in_flight_per_model, the most its
+   limit can be: both together ask twice what the pool holds, so the phase contends (12-03 ran 24
+   each against a limit of 64, nobody waited and weights 2:1 gave 1.00).
 Every chat of 2 and 3 is a new one (`new_chat`): only the system prompt is in the prefix cache.
 
     python -m bench.load [--url URL --key KEY] [--port-base 47200] [--seconds 30]
                          [--llama-python PATH] [--parts burst,poisson,fairness,peers]
-                         [--share-streams 24]
+                         [--share-streams N]
 
 Writes docs/perf/load.md and docs/perf/load.json. The machine is a shared 2-core VM: absolute
 figures move with what else runs, the ratios measured in one run are what to compare.
@@ -572,15 +573,18 @@ def render(d: dict) -> str:
     lines += ["## How admission decides", "",
               "- Each worker fits its decode step time, step = base + per_seq x sequences, over its recent "
               "decode-only steps (services/worker/engine/load_stats.py; a prefilling step's time, less the line's "
-              "share, gives the prefill rate) and reports the line, its prefill rate and the prompt tokens queued "
-              "in GetLoad; the router passes the reports through ListWorkers. Before a worker's first decode-only "
-              "step there is no line, and the limit is the configured per-worker fallback.",
+              "share, gives the prefill rate) and reports the line, its prefill rate, the share of its recent "
+              "wall time prompts took and the prompt tokens queued in GetLoad; the router passes the reports "
+              "through ListWorkers. Before a worker's first decode-only step there is no line, and the limit is "
+              "the configured per-worker fallback.",
               "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
               "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
               "it, 80% of the peak throughput's worth; the median of the lines reported over the last 30 s, so a "
               "fit skewed for a few seconds does not move the limit) and the queued prompts would not push a first "
-              "token past the TTFT target; the limit is split between gateway replicas through the Redis "
-              "heartbeats.",
+              "token past the TTFT target; in a standing queue the target speed is asked of the decode "
+              "steps' share of the time, what the reported prefill share of the workers' last seconds leaves "
+              "(steady arrivals keep prefilling; a burst's prefill happens once and is left out); the limit is "
+              "split between gateway replicas through the Redis heartbeats.",
               "- Beyond that a request waits in a fair queue: priority class first, then organizations by virtual "
               "token counters over their weights. It may wait queue_timeout_s while the pool absorbs a burst. Once "
               "every slot has been taken for queue_timeout_s on end, or for 1.5 sustained windows with newcomers "
@@ -626,8 +630,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60, help="per open-loop rate")
     parser.add_argument("--fairness-seconds", type=float, default=240,
                         help="per fairness phase; shares are counted over its last two thirds")
-    parser.add_argument("--share-streams", type=int, default=24,
-                        help="streams per organization in the shares' phases (more than half the pool's limit)")
+    parser.add_argument("--share-streams", type=int, default=0,
+                        help="streams per organization in the shares' phases (more than half the pool's limit; "
+                             "default: the gateway's max_in_flight_per_model)")
     parser.add_argument("--parts", default="burst,poisson,fairness,peers")
     parser.add_argument("--capacity", type=float, help="the open loop's 1x in requests/s (default: measured by a "
                         "closed loop of 64 clients for --seconds)")
@@ -643,6 +648,7 @@ def main() -> None:
     overload = next(s.config.overload for s in launcher().plan({}) if isinstance(s.config, GatewayConfig))
     targets = dict(ttft_target_s=overload.ttft_target_s, stream_tokens_per_s=overload.stream_tokens_per_s,
                    queue_timeout_s=overload.queue_timeout_s)
+    share_streams = args.share_streams or overload.max_in_flight_per_model
     tokenizer = smollm2_tokenizer()
     prompts = mixed_prompts(tokenizer, args.requests)
     data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), targets=targets, dtypes=pool_dtypes(),
@@ -660,7 +666,7 @@ def main() -> None:
                 data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, args.capacity, args.seconds, targets,
                                                           tuple(float(f) for f in args.factors.split(","))))
             if "fairness" in parts:
-                data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds, args.share_streams))
+                data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds, share_streams))
         finally:
             if proc is not None:
                 stop_make_run(proc)

@@ -3,8 +3,8 @@ behind them, and a fast refusal (429 or 503 with Retry-After) past that.
 
 The limit of a model's streams follows the pool (set_pool, fed by pool_watch.py): once its
 workers report speeds, the streams they can run while each gets overload.stream_tokens_per_s
-(admission/estimator.py); before that, max_in_flight_per_worker x the routable workers (0: a fixed
-max_in_flight_per_model). Gateway replicas share it: each takes 1/replicas, rounded up, within
+(admission/estimator.py; in a standing queue, beside the arrivals' prefills); before that,
+max_in_flight_per_worker x the routable workers (0: a fixed max_in_flight_per_model). Gateway replicas share it: each takes 1/replicas, rounded up, within
 [min_in_flight_per_model, max_in_flight_per_model]. A request is also held back while the prompt
 tokens queued in the pool (reported, plus what this replica admitted since) would keep its first
 token past overload.ttft_target_s; a request alone in flight is never held back. An organization
@@ -157,7 +157,8 @@ class OverloadGuard:
     def limit(self, model: str) -> int:
         cfg = self._cfg
         gate = self._gates.get(model)
-        capacity = gate.pool.capacity(cfg.stream_tokens_per_s) if gate and cfg.follow_pool_load else None
+        capacity = (gate.pool.capacity(cfg.stream_tokens_per_s, steady=gate.standing)
+                    if gate and cfg.follow_pool_load else None)
         if capacity is None:
             if cfg.max_in_flight_per_worker <= 0:
                 return cfg.max_in_flight_per_model

@@ -235,7 +235,8 @@ class GenerationServicer(worker_pb2_grpc.GenerationServicer):
                              prefill_tokens_per_s=s.load.prefill_tokens_per_s, max_num_seqs=limits.max_num_seqs,
                              max_num_batched_tokens=limits.max_num_batched_tokens, block_size=limits.block_size,
                              decode_step_base_s=s.load.decode_step_base_s,
-                             decode_step_per_seq_s=s.load.decode_step_per_seq_s)
+                             decode_step_per_seq_s=s.load.decode_step_per_seq_s,
+                             prefill_time_share=s.load.prefill_time_share)
 
     async def _check_model(self, name: str, context: grpc.aio.ServicerContext) -> None:
         if name and name != self.model.name:

@@ -33,11 +33,12 @@ def guard(**cfg) -> OverloadGuard:
 
 
 def report(running: int = 1, base: float = 0.010, per_seq: float = 0.002, seqs: int = 64, prefill: float = 1000.0,
-           queued: int = 0) -> worker_pb2.LoadReport:
+           queued: int = 0, prefill_share: float = 0.0) -> worker_pb2.LoadReport:
     step = base + per_seq * running
     return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=1 / step, step_time_s=step,
                                  prefill_tokens_per_s=prefill, max_num_seqs=seqs, waiting_prompt_tokens=queued,
-                                 decode_step_base_s=base, decode_step_per_seq_s=per_seq)
+                                 decode_step_base_s=base, decode_step_per_seq_s=per_seq,
+                                 prefill_time_share=prefill_share)
 
 
 # -- the estimator ---------------------------------------------------------------------------
@@ -47,6 +48,9 @@ def test_the_step_line_gives_the_streams_at_a_speed_or_the_knee_when_unreachable
     assert (line.base, line.per_seq) == (pytest.approx(0.011), pytest.approx(0.002))
     assert StepLine(0.010, 0.002).streams_at(20.0) == 20          # 1/20 s = 10 ms + 20 x 2 ms
     assert StepLine(0.100, 0.010).streams_at(20.0) == 40          # 9 tokens/s at batch 1: 80% of the peak
+    # prompts take 40% of the time: the decode steps may take 0.6 / 20 s = 10 ms + 10 x 2 ms
+    assert StepLine(0.010, 0.002).streams_at(20.0, prefill_share=0.4) == 10
+    assert StepLine(0.010, 0.002).streams_at(20.0, prefill_share=0.95) == 1   # no room: the floor
     # no decode line yet (a burst's first prefill-only seconds): no capacity guessed from the speed
     assert StepLine.of([worker_pb2.LoadReport(running=29, decode_tokens_per_s=0.6)]) is None
 
@@ -122,6 +126,19 @@ async def test_capacity_follows_the_reports_and_is_split_between_replicas():
     g2 = guard(stream_tokens_per_s=20.0, follow_pool_load=False, max_in_flight_per_worker=2)
     g2.set_pool({"m": [report(16)] * 2})
     assert g2.limit("m") == 4
+
+
+async def test_a_standing_queue_leaves_room_in_the_limit_for_the_arrivals_prefills():
+    """A burst's prefill happens once; a standing queue's arrivals keep prefilling beside the streams."""
+    g = guard(stream_tokens_per_s=20.0)
+    g.set_pool({"m": [report(16, prefill_share=0.4)] * 2})
+    assert g.limit("m") == 40                    # no standing queue: the decode line's 20 a worker
+    g._gate("m").standing = True                 # as after a sustained overload
+    g.set_pool({"m": [report(16, prefill_share=0.4)] * 2})
+    assert g.limit("m") == 20                    # 10 a worker at 60% of the time
+    for _ in range(3):                           # the median of the window's reports
+        g.set_pool({"m": [report(16, prefill_share=0.4), report(16, prefill_share=0.0)]})
+    assert g.limit("m") == 30                    # the workers' mean share, 20%: 15 a worker
 
 
 async def test_a_deep_prefill_queue_holds_requests_back_until_it_drains():

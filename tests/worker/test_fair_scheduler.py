@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -163,6 +164,7 @@ def test_load_report_carries_what_admission_needs(stub):
     assert 0 < load.step_time_s < 5
     assert 0 < load.decode_tokens_per_s < 10_000 and 0 < load.prefill_tokens_per_s
     assert 0 < load.decode_step_base_s < 5 and load.decode_step_per_seq_s > 0   # one batch size: the prior
+    assert 0 < load.prefill_time_share < 1                                     # its prompt, of the last seconds
     assert load.waiting_prompt_tokens == 0
     calls = [stub.Generate(generate("A", 64)) for _ in range(3)]
     deadline = time.monotonic() + 30
@@ -190,8 +192,13 @@ def _idle_scheduler() -> Scheduler:
     return Scheduler(SchedulerConfig(8, 64), KVCacheManager(BlockPool(8), 16, enable_prefix_caching=True))
 
 
-def _step(stats, decodes: int, prompt_tokens: int, seconds: float) -> None:
-    stats.record([_Item() for _ in range(decodes)] + ([_Item(prompt_tokens)] if prompt_tokens else []), seconds)
+_ENDED: dict[int, float] = {}   # each LoadStats' wall clock: its steps run back to back
+
+
+def _step(stats, decodes: int, prompt_tokens: int, seconds: float, idle_before: float = 0.0) -> None:
+    ended = _ENDED[id(stats)] = _ENDED.get(id(stats), 0.0) + idle_before + seconds
+    stats.record([_Item() for _ in range(decodes)] + ([_Item(prompt_tokens)] if prompt_tokens else []),
+                 seconds, ended)
 
 
 def test_the_decode_line_comes_from_decode_only_steps_and_prefill_from_the_rest():
@@ -222,3 +229,17 @@ def test_a_burst_of_prefill_moves_neither_the_decode_line_nor_its_prior():
     after = stats.snapshot(idle)
     assert (after.decode_step_base_s, after.decode_step_per_seq_s) == (base, per_seq)
     assert after.decode_tokens_per_s < 1                    # what the streams got meanwhile
+
+
+def test_the_prefill_share_is_the_recent_wall_time_prompts_took():
+    stats, idle = LoadStats(), _idle_scheduler()
+    for decodes in range(1, 9):
+        _step(stats, decodes, 0, 0.010 + 0.002 * decodes)  # a line, so a chunk's decodes are netted out
+    assert stats.snapshot(idle).prefill_time_share == 0
+    for _ in range(400):                                    # 60 s: every third step adds 0.1 s of prompt
+        _step(stats, 8, 0, 0.026)
+        _step(stats, 8, 0, 0.026)
+        _step(stats, 8, 400, 0.126)
+    assert stats.snapshot(idle).prefill_time_share == pytest.approx(0.1 / 0.178, rel=0.05)
+    _step(stats, 8, 0, 0.026, idle_before=20.0)             # 20 s idle: two time constants
+    assert stats.snapshot(idle).prefill_time_share == pytest.approx(0.1 / 0.178 * math.exp(-20.026 / 10), rel=0.05)

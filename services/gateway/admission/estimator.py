@@ -7,6 +7,12 @@ same model on the same kind of machine, so their mean line serves the pool. From
   1 / step(B) >= target. Where even one stream misses the target (a slow or busy machine) the
   target cannot be met, and the worker runs KNEE_SHARE of its peak throughput's worth of streams
   instead: batching more then only slows everyone (the peak is 1 / per_seq tokens/s);
+- in a standing queue (steady arrivals, not a burst), the same with the decode steps' share of the
+  worker's time: prompts took the reported prefill share of the last seconds, and the next
+  arrivals' take as much, so a stream gets (1 - share) / step(B). bench-load's open loop at 2x and
+  4x capacity: the decode line alone kept the limit at 64 and streams got 1.3-1.7 tokens/s against
+  a target of 2. A burst's prefill is left out: it happens once, and its streams decode at the
+  line's speed afterwards;
 - a new request's time to first token: the prompt tokens queued ahead of it (reported by the
   workers, plus what this gateway admitted since their report) over the pool's prefill rate, plus
   its own prefill and one step.
@@ -29,6 +35,7 @@ from typing import Sequence
 from llmserve.v1 import worker_pb2
 
 KNEE_SHARE = 0.8
+MAX_PREFILL_SHARE = 0.9    # of the worker's time: past it a stream's speed is left to the floor of the limit
 CAPACITY_WINDOW_S = 30.0   # the capacity is the median of the lines reported over this many seconds
 
 
@@ -41,6 +48,7 @@ class PoolState:
     waiting_prompt_tokens: int = 0
     max_num_seqs: int = 0              # summed running caps
     prefill_tokens_per_s: float = 0.0  # summed
+    prefill_time_share: float = 0.0    # the workers' mean
 
     @classmethod
     def of(cls, reports: Sequence[worker_pb2.LoadReport]) -> "PoolState":
@@ -48,7 +56,8 @@ class PoolState:
                    waiting=sum(r.waiting for r in reports),
                    waiting_prompt_tokens=sum(r.waiting_prompt_tokens for r in reports),
                    max_num_seqs=sum(r.max_num_seqs for r in reports),
-                   prefill_tokens_per_s=sum(r.prefill_tokens_per_s for r in reports))
+                   prefill_tokens_per_s=sum(r.prefill_tokens_per_s for r in reports),
+                   prefill_time_share=sum(r.prefill_time_share for r in reports) / len(reports) if reports else 0.0)
 
 
 @dataclass(frozen=True)
@@ -72,13 +81,15 @@ class StepLine:
     def step_s(self, batch: float) -> float:
         return self.base + self.per_seq * max(1.0, batch)
 
-    def streams_at(self, tokens_per_s: float) -> int:
-        """The most streams one worker runs with each at tokens_per_s (see the module docstring)."""
+    def streams_at(self, tokens_per_s: float, prefill_share: float = 0.0) -> int:
+        """The most streams one worker runs with each at tokens_per_s while prompts take
+        prefill_share of its time (see the module docstring)."""
         if tokens_per_s <= 0 or self.per_seq <= 0:
             return 1 << 20
         if 1 / self.step_s(1) < tokens_per_s:   # unreachable: the knee of the throughput curve
             return max(1, int(KNEE_SHARE / (1 - KNEE_SHARE) * self.base / self.per_seq))
-        return max(1, int((1 / tokens_per_s - self.base) / self.per_seq + 1e-6))
+        step = (1 - min(max(prefill_share, 0.0), MAX_PREFILL_SHARE)) / tokens_per_s
+        return max(1, int((step - self.base) / self.per_seq + 1e-6))
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,7 @@ class PoolEstimator:
     def __init__(self) -> None:
         self.state = PoolState()
         self.line: StepLine | None = None
-        self._lines: deque[tuple[float, StepLine]] = deque()   # (when reported, line), oldest first
+        self._lines: deque[tuple[float, StepLine, float]] = deque()   # (when, line, prefill share), oldest first
 
     def update(self, reports: Sequence[worker_pb2.LoadReport], now: float) -> None:
         """The workers' last reports, read at `now` (monotonic seconds)."""
@@ -101,17 +112,18 @@ class PoolEstimator:
         line = StepLine.of(reports)
         if line is not None:   # a pool gone quiet keeps its lines (an idle worker reports its last fit)
             self.line = line
-            self._lines.append((now, line))
+            self._lines.append((now, line, self.state.prefill_time_share))
         while len(self._lines) > 1 and self._lines[0][0] <= now - CAPACITY_WINDOW_S:
             self._lines.popleft()
 
-    def capacity(self, tokens_per_s: float) -> int | None:
-        """Streams the whole pool runs at the speed target (the median of the recent lines'); None
-        before the workers measured."""
+    def capacity(self, tokens_per_s: float, steady: bool = False) -> int | None:
+        """Streams the whole pool runs at the speed target (the median of the recent reports'),
+        beside the prompts of steady arrivals if `steady`; None before the workers measured."""
         s = self.state
         if not self._lines or not s.workers:
             return None
-        cap = int(statistics.median(line.streams_at(tokens_per_s) for _, line in self._lines)) * s.workers
+        cap = int(statistics.median(line.streams_at(tokens_per_s, share if steady else 0.0)
+                                    for _, line, share in self._lines)) * s.workers
         return min(cap, s.max_num_seqs) if s.max_num_seqs else cap
 
     def queue_delay_s(self, extra_prompt_tokens: int = 0) -> float:

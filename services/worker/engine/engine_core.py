@@ -184,7 +184,7 @@ class EngineCore:
         self._in_flight = None
         results = self.runner.collect(pending)
         now = time.monotonic()
-        self.load_stats.record(plan.scheduled, now - started)
+        self.load_stats.record(plan.scheduled, now - started, now)
         updates = self.scheduler.update_from_output(plan, results, now)
         outputs, done, output = [], [], self._output
         for r, new_tokens in updates:

@@ -14,12 +14,18 @@ over seconds). While the decode steps do not vary enough to tell base from per_s
 the same batch, say), or the noise bends the fit below zero, each further sequence costs
 PRIOR_PER_SEQ of a batch-1 step (decode reads the weights once for the whole batch). Moving
 averages (ALPHA) of the step time and of what one stream gets (prefill included) are reported
-beside. An idle engine keeps its last figures: they describe the engine when the next request
-comes; one that has not run a decode-only step yet reports no line.
+beside, and the share of the last PREFILL_SHARE_WINDOW_S seconds of wall time that prompts took
+(decayed by wall time, so an idle gap counts as time without prompts from the next step on):
+under steady arrivals, what their prefills take from every stream's decode steps, which the
+gateway's capacity must leave room for (bench-load's open loop at 2x-4x: a limit from the decode
+line alone gave streams 1.3-1.7 tokens/s against a 2 tokens/s target). An idle engine keeps its
+last figures: they describe the engine when the next request comes; one that has not run a
+decode-only step yet reports no line.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
@@ -32,6 +38,7 @@ PREFILL_DECAY = 0.9        # weight of older prefilling steps in the prefill rat
 PRIOR_PER_SEQ = 0.1
 MIN_SPREAD = 0.25          # variance of the batch sizes the line needs before its slope is fitted
 MIN_PROMPT_BUDGET = 64     # prompt tokens a step takes however long its decodes: queued prompts still move
+PREFILL_SHARE_WINDOW_S = 10.0   # time constant of the prefill share
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class LoadSnapshot:
     prefill_tokens_per_s: float = 0.0
     decode_step_base_s: float = 0.0  # the decode line; 0 until a decode-only step has run
     decode_step_per_seq_s: float = 0.0
+    prefill_time_share: float = 0.0  # of the recent wall time, 0-1
 
 
 def _ewma(old: float, new: float) -> float:
@@ -83,11 +91,16 @@ class LoadStats:
         self._decode_line = _LineFit()
         self._prefill_tokens = 0.0    # decayed sums over prefilling steps: tokens, and their seconds
         self._prefill_seconds = 0.0
+        self._recent_prefill_s = 0.0  # prompt seconds, decayed by wall time (PREFILL_SHARE_WINDOW_S)
+        self._recent_at: float | None = None
 
-    def record(self, scheduled: Iterable[ScheduledRequest], duration_s: float) -> None:
-        """One executed step: what it computed and how long it took."""
+    def record(self, scheduled: Iterable[ScheduledRequest], duration_s: float, ended_at: float) -> None:
+        """One executed step: what it computed, how long it took, and when it ended (monotonic s)."""
         if duration_s <= 0:
             return
+        if self._recent_at is not None:
+            self._recent_prefill_s *= math.exp(-max(0.0, ended_at - self._recent_at) / PREFILL_SHARE_WINDOW_S)
+        self._recent_at = ended_at
         seqs = decodes = prefill = 0
         for item in scheduled:
             seqs += 1
@@ -104,8 +117,10 @@ class LoadStats:
             return
         line = self._decode_line.solve()
         decoding_s = line[0] + line[1] * decodes if line and decodes else 0.0
+        prompt_s = max(0.0, duration_s - decoding_s)
         self._prefill_tokens = self._prefill_tokens * PREFILL_DECAY + prefill
-        self._prefill_seconds = self._prefill_seconds * PREFILL_DECAY + max(0.0, duration_s - decoding_s)
+        self._prefill_seconds = self._prefill_seconds * PREFILL_DECAY + prompt_s
+        self._recent_prefill_s += prompt_s
 
     def prompt_budget(self, decoding: int, step_time_s: float) -> int | None:
         """The prompt tokens a step beside `decoding` decodes takes and still ends within
@@ -127,4 +142,5 @@ class LoadStats:
                             decode_tokens_per_s=1.0 / self._decode_step_s if self._decode_step_s else 0.0,
                             prefill_tokens_per_s=self._prefill_tokens / self._prefill_seconds
                             if self._prefill_seconds > 0 else 0.0,
-                            decode_step_base_s=base, decode_step_per_seq_s=per_seq)
+                            decode_step_base_s=base, decode_step_per_seq_s=per_seq,
+                            prefill_time_share=min(1.0, self._recent_prefill_s / PREFILL_SHARE_WINDOW_S))
