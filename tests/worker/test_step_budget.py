@@ -50,13 +50,24 @@ def test_the_prompt_budget_bounds_chunks_and_admissions_but_not_decodes():
 
 def test_a_newcomer_of_another_tenant_is_prefilled_before_a_flood_s_next_chunk():
     sched = scheduler()
-    sched.add(request("a-long", 200, "A"))
-    run_step(sched)                                    # A's prompt: 64 of 200 computed
-    sched.add(request("b-short", 10, "B"))             # B turns active at A's counter
-    sched.add(request("a-next", 10, "A"))
-    assert tokens_of(run_step(sched)) == {"a-long": 54, "b-short": 10}
+
+    def step(added: Request | None = None) -> dict[str, int]:
+        if added:
+            sched.add(added)
+        out = sched.schedule(prompt_budget=48)
+        sched.update_from_output(out, sampled_tokens(out), now=0.0)
+        return tokens_of(out)
+
+    assert step(request("a-long", 200, "A")) == {"a-long": 48}
+    sched.add(request("b-short", 10, "B"))
+    # B turns active at A's counter with nothing running: the step is B's prompt (and decodes) alone
+    assert step(request("a-next", 10, "A")) == {"b-short": 10}
+    # B runs now and A is behind: A's chunk goes first, B's newcomer waits its turn
+    assert step(request("b-second", 10, "B")) == {"a-long": 48, "b-short": 1}
+    # B's turn: its newcomer shares the step with A's chunk
+    assert step() == {"a-long": 38, "b-short": 1, "b-second": 10}
     # within a tenant, the running request keeps its turn: a-next waits for a-long's prompt
-    assert "a-next" not in tokens_of(run_step(sched))
+    assert "a-next" not in step()
 
 
 def test_a_newcomer_that_cannot_get_blocks_holds_no_budget_back():
