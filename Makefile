@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-step-budget bench-gpu bench-spec bench-gateway bench-router bench-load images test-images docker-tools lint clean
+.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-decode-ab bench-step-budget bench-gpu bench-spec bench-gateway bench-router bench-load images test-images docker-tools lint clean
 
 install: $(STAMP) protos
 
@@ -57,6 +57,10 @@ sizing: install
 
 bench-engine: install
 	$(PYTHON) -m bench.engine
+
+# Batch-1 decode and 16 gRPC streams against the tree before the engine core v2, alternating.
+bench-decode-ab: install
+	$(PYTHON) -m bench.decode_ab
 
 # The engine alone under one tenant's flood, with and without engine.max_step_time_s.
 bench-step-budget: install

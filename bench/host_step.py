@@ -36,8 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 # The tree before issue 14's step plan and persistent batch (its host time: docs/perf/engine.md).
@@ -155,18 +157,33 @@ def report_host_time(sizes: tuple[int, ...] = (64, 256), before: str | None = BE
     print_host_time(sizes, "after   ")
 
 
-def measure_tree(rev: str, sizes: tuple[int, ...]) -> None:
-    """This measurement against the tree at git revision rev, in a subprocess importing that tree."""
-    with tempfile.TemporaryDirectory(prefix="host-step-") as tree:
+@contextmanager
+def tree_at(rev: str) -> Iterator[Path]:
+    """The repository at git revision rev, extracted into a temporary folder (with this checkout's
+    generated protos where the tree has none: protos only grow, so an older tree reads them)."""
+    with tempfile.TemporaryDirectory(prefix="tree-") as tree:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
         if (REPO / "libs" / "llmserve" / "v1").is_dir() and not (Path(tree) / "libs/llmserve/v1").exists():
             subprocess.run(["cp", "-r", str(REPO / "libs/llmserve/v1"), f"{tree}/libs/llmserve/"], check=True)
+        yield Path(tree)
+
+
+def run_in_tree(tree: Path, code: str) -> str:
+    """Python code in a subprocess that imports the tree at `tree` (its services, tests, bench);
+    -> what it printed."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True, stdout=subprocess.PIPE,
+                          text=True).stdout
+
+
+def measure_tree(rev: str, sizes: tuple[int, ...]) -> None:
+    """This measurement against the tree at git revision rev, in a subprocess importing that tree."""
+    with tree_at(rev) as tree:
         label = "before  " if rev == BEFORE_REV else f"{rev[:7]:8s}"
-        code = ("import runpy, sys; sys.argv = ['host_step', '--no-before', '--label', " f"{label!r}" ", '--sizes', "
-                f"{','.join(map(str, sizes))!r}]; runpy.run_path({str(Path(__file__))!r}, run_name='__main__')")
-        env = {**os.environ, "PYTHONPATH": tree}
-        subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
+        print(run_in_tree(tree, "import runpy, sys; sys.argv = ['host_step', '--no-before', '--label', " f"{label!r}"
+                    ", '--sizes', " f"{','.join(map(str, sizes))!r}]; runpy.run_path({str(Path(__file__))!r}, "
+                    "run_name='__main__')"), end="", flush=True)
 
 
 def main() -> None:
