@@ -81,7 +81,9 @@ def test_reference_ignores_garbage_past_each_sequence(backend):
     out = BACKENDS[backend]().attend(batch.query, batch.key_cache, batch.value_cache,
                                        batch.meta, 0.25)
     assert not torch.isnan(out).any()
-    torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25))
+    # float32 arithmetic against a float64 reference: the CPU kernel is built for the machine
+    # (-march=native), and its sums round differently where it vectorises differently.
+    torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25), atol=1e-5, rtol=1e-5)
 
 
 def test_reference_write_kv_fills_the_mapped_slots_only():
