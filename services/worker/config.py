@@ -40,6 +40,12 @@ class EngineConfig:
     # batching): streams keep their pace and a newcomer's wait for the step in progress stays
     # short. A step with nothing decoding takes max_num_batched_tokens. 0: no such bound.
     max_step_time_s: float = 0.0
+    # While a light tenant (a quarter or less of the busiest one's requests) has requests here, a
+    # step that decodes takes prompt work adding at most this many times its decodes' own time
+    # (unless max_step_time_s bounds it): a user chatting beside a flood waits for a short step, not
+    # a flood's full chunk. One tenant alone, or floods side by side, keep the whole
+    # max_num_batched_tokens. 0: off.
+    light_tenant_prefill_ratio: float = 1.0
     max_model_len: int = 0            # 0: the model's context length
     enable_prefix_caching: bool = True
     # Models whose every layer slides (Mistral with sliding_window): blocks wholly outside the

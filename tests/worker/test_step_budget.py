@@ -1,5 +1,6 @@
 """The prompt work a step takes beside its decodes: bounded so the step ends within
-engine.max_step_time_s (load_stats.prompt_budget, Scheduler.schedule), and shared in fair order,
+engine.max_step_time_s, or while tenants share the engine to engine.light_tenant_prefill_ratio times
+its decodes' time (load_stats.prompt_budget, Scheduler.schedule), and shared in fair order,
 so another tenant's newcomer is not kept behind a running request's next chunk."""
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from services.worker.engine.build import build_engine
 from services.worker.engine.fair_queue import FairShare
 from services.worker.engine.kv_cache_manager import KVCacheManager
 from services.worker.engine.load_stats import MIN_PROMPT_BUDGET, LoadStats
-from services.worker.engine.request import Request
+from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.sampling_params import SamplingParams
-from services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from services.worker.engine.scheduler import LIGHT_GRACE_STEPS, Scheduler, SchedulerConfig
 from tests.worker.test_engine import greedy, make_engine
 from tests.worker.test_fair_scheduler import _step
 from tests.worker.test_kv_cache import run_step, sampled_tokens
@@ -92,34 +93,77 @@ def test_prompt_budget_is_what_the_decode_line_leaves_at_the_prefill_rate():
     assert stats.prompt_budget(64, 0.1) == MIN_PROMPT_BUDGET     # decodes alone overrun it: prompts still move
 
 
+def long_prompt_beside_a_decode(smollm2, long_tenant: str = "", decoding: int = 1, **engine_kwargs):
+    """A 300-token prompt of long_tenant sent while `decoding` requests of tenant "" decode: the
+    prompt's chunks and every answer."""
+    long_ids = smollm2.tokenizer.encode("The history of paged memory in operating systems. " * 30)[:300]
+    engine = make_engine(smollm2, **engine_kwargs)
+    for i in range(decoding):
+        engine.add_request(f"first{i}", [5 + i, 6, 7, 8], greedy(40))
+    for _ in range(6):
+        engine.step()                                  # its prompt, then decode-only steps
+    engine.add_request("long", long_ids, greedy(4), share=FairShare(long_tenant))
+    chunks, results = [], {}
+    while engine.has_work():
+        long = next((r for r in engine.scheduler.running if r.request_id == "long"), None)
+        before = long.num_computed_tokens if long else 0
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.token_ids)
+        long = next((r for r in engine.scheduler.running if r.request_id == "long"), None)
+        if long is not None and long.num_computed_tokens > before and before < len(long_ids):
+            chunks.append(long.num_computed_tokens - before)
+    return chunks, results
+
+
 def test_an_engine_bounds_prompt_chunks_beside_decodes_and_answers_the_same(smollm2):
-    tokenizer = smollm2.tokenizer
-    long_ids = tokenizer.encode("The history of paged memory in operating systems. " * 30)[:300]
-    outputs = {}
-    for step_s in (0.0, 1e-3):
-        engine = make_engine(smollm2, max_step_time_s=step_s)
-        engine.add_request("first", [5, 6, 7, 8], greedy(40))
-        for _ in range(6):
-            engine.step()                              # its prompt, then decode-only steps
-        engine.add_request("long", long_ids, greedy(4))
-        chunks, results = [], {"first": [], "long": []}
-        while engine.has_work():
-            long = next((r for r in engine.scheduler.running if r.request_id == "long"), None)
-            before = long.num_computed_tokens if long else 0
-            for out in engine.step():
-                results[out.request_id] += out.token_ids
-            long = next((r for r in engine.scheduler.running if r.request_id == "long"), None)
-            if long is not None and long.num_computed_tokens > before and before < len(long_ids):
-                chunks.append(long.num_computed_tokens - before)
-        outputs[step_s] = results
-        if step_s:   # 1 ms: the least budget, while "first" decodes
-            assert max(chunks) == MIN_PROMPT_BUDGET, chunks
-        else:
-            assert chunks[0] > MIN_PROMPT_BUDGET, chunks
-    assert outputs[0.0] == outputs[1e-3]
+    unbounded, expected = long_prompt_beside_a_decode(smollm2)
+    assert unbounded[0] > MIN_PROMPT_BUDGET, unbounded
+    bounded, results = long_prompt_beside_a_decode(smollm2, max_step_time_s=1e-3)
+    assert max(bounded) == MIN_PROMPT_BUDGET, bounded  # 1 ms: the least budget, while "first" decodes
+    assert results == expected
 
 
-@pytest.mark.parametrize("step_s", [-0.1, 61.0])
-def test_a_step_time_out_of_range_is_refused_at_start(step_s):
-    with pytest.raises(ValueError, match="engine.max_step_time_s must be in"):
-        build_engine(ModelSourceConfig(), EngineConfig(max_step_time_s=step_s))
+def test_the_light_tenant_ratio_bounds_prompt_work_only_while_a_light_tenant_is_served(smollm2):
+    alone, expected = long_prompt_beside_a_decode(smollm2, decoding=4, light_tenant_prefill_ratio=1e-3)
+    assert alone[0] > MIN_PROMPT_BUDGET, alone         # one tenant: the whole token budget
+    light, results = long_prompt_beside_a_decode(smollm2, "B", decoding=4, light_tenant_prefill_ratio=1e-3)
+    assert max(light) == MIN_PROMPT_BUDGET, light      # 1 request of B beside 4 of "": B is light
+    floods, _ = long_prompt_beside_a_decode(smollm2, "B", decoding=1, light_tenant_prefill_ratio=1e-3)
+    assert floods[0] > MIN_PROMPT_BUDGET, floods       # 1 beside 1: neither is light
+    assert results == expected
+
+
+def test_the_light_tenant_budget_is_that_many_times_the_decodes_time():
+    stats = LoadStats()
+    for i in range(100):
+        decodes = (1, 2, 4, 8, 16)[i % 5]
+        _step(stats, decodes, 0, 0.010 + 0.002 * decodes)
+        if i % 5 == 0:
+            _step(stats, decodes, 512, 0.010 + 0.002 * decodes + 0.128)
+    # 8 decodes take 26 ms: at ratio 1, 26 ms of prompt at 4000 tokens/s; at 4, 104 ms
+    assert stats.prompt_budget(8, decode_ratio=1.0) == pytest.approx(104, abs=1)
+    assert stats.prompt_budget(8, decode_ratio=4.0) == pytest.approx(416, abs=2)
+    assert stats.prompt_budget(0, decode_ratio=1.0) is None
+
+
+def test_a_light_tenant_is_one_with_a_quarter_of_the_busiest_one_s_requests_or_fewer():
+    sched = scheduler()
+    for i in range(4):
+        sched.add(request(f"a{i}", 4, "A"))
+    assert not sched.serves_a_light_tenant()           # one tenant
+    b = [request("b0", 4, "B")]
+    sched.add(b[0])
+    assert sched.serves_a_light_tenant()               # 1 of B beside 4 of A
+    sched.finish(b[0], RequestStatus.FINISHED_ABORTED)  # A alone again: the grace counts down
+    grace = [sched.serves_a_light_tenant() for _ in range(LIGHT_GRACE_STEPS)]
+    assert grace == [True] * (LIGHT_GRACE_STEPS - 1) + [False]
+    for i in range(2):
+        b.append(request(f"b{i + 1}", 4, "B"))
+        sched.add(b[-1])
+    assert not sched.serves_a_light_tenant()           # 2 of B beside 4 of A: two floods
+
+
+@pytest.mark.parametrize("ratio", [-1.0, 101.0])
+def test_a_light_tenant_ratio_out_of_range_is_refused_at_start(ratio):
+    with pytest.raises(ValueError, match="engine.light_tenant_prefill_ratio must be in"):
+        build_engine(ModelSourceConfig(), EngineConfig(light_tenant_prefill_ratio=ratio))

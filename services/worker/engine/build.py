@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_STEP_TIME_S = 60.0
+MAX_LIGHT_TENANT_PREFILL_RATIO = 100.0
 
 
 @dataclass
@@ -71,6 +72,9 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
     if not 0 <= engine_cfg.max_step_time_s <= MAX_STEP_TIME_S:
         raise ValueError(f"engine.max_step_time_s must be in [0, {MAX_STEP_TIME_S:g}] seconds (0: no bound), "
                          f"got {engine_cfg.max_step_time_s}")
+    if not 0 <= engine_cfg.light_tenant_prefill_ratio <= MAX_LIGHT_TENANT_PREFILL_RATIO:
+        raise ValueError(f"engine.light_tenant_prefill_ratio must be in [0, {MAX_LIGHT_TENANT_PREFILL_RATIO:g}] (0: off), "
+                         f"got {engine_cfg.light_tenant_prefill_ratio}")
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
     parallel = start_tensor_parallel(model_cfg, engine_cfg)   # None at tensor_parallel_size 1
@@ -120,6 +124,7 @@ def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded
                           max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
                           enable_prefix_caching=engine_cfg.enable_prefix_caching,
                           max_step_time_s=engine_cfg.max_step_time_s,
+                          light_tenant_prefill_ratio=engine_cfg.light_tenant_prefill_ratio,
                           sliding_window=releasable_window(cfg, draft) if engine_cfg.release_window_blocks else None)
     # A proposer is always there, so a request can ask for speculation on a worker whose
     # default k is 0 (a draft model therefore keeps its cache up to date in every step).

@@ -132,6 +132,10 @@ class FairQueue:
             if tenant is not None:
                 tenant.counter += cost
 
+    def active_counts(self) -> list[int]:
+        """Requests waiting or running, per tenant that has any."""
+        return [t.active for t in self._tenants.values()]
+
     def counter(self, tenant: str) -> float | None:
         t = self._tenants.get(tenant)
         return t.counter if t else None

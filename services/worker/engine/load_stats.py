@@ -122,15 +122,16 @@ class LoadStats:
         self._prefill_seconds = self._prefill_seconds * PREFILL_DECAY + prompt_s
         self._recent_prefill_s += prompt_s
 
-    def prompt_budget(self, decoding: int, step_time_s: float) -> int | None:
-        """The prompt tokens a step beside `decoding` decodes takes and still ends within
-        step_time_s: what the decode line leaves, at the measured prefill rate, and at least
-        MIN_PROMPT_BUDGET. None while nothing decodes (nobody's pace to keep) or before both
-        were measured."""
+    def prompt_budget(self, decoding: int, step_time_s: float = 0.0, decode_ratio: float = 0.0) -> int | None:
+        """The prompt tokens a step beside `decoding` decodes takes: as many as still end it within
+        step_time_s (what the decode line leaves), or else as add at most decode_ratio times the
+        decodes' own time; at the measured prefill rate, and at least MIN_PROMPT_BUDGET. None
+        while nothing decodes (nobody's pace to keep) or before both were measured."""
         line = self._decode_line.solve() if decoding else None
         if line is None or self._prefill_seconds <= 0:
             return None
-        left_s = step_time_s - (line[0] + line[1] * decoding)
+        decode_s = line[0] + line[1] * decoding
+        left_s = step_time_s - decode_s if step_time_s else decode_ratio * decode_s
         return max(MIN_PROMPT_BUDGET, int(left_s * self._prefill_tokens / self._prefill_seconds))
 
     def snapshot(self, scheduler: Scheduler) -> LoadSnapshot:

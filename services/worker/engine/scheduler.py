@@ -52,6 +52,13 @@ if TYPE_CHECKING:
     from services.worker.engine.step_results import StepResults
 
 
+# A light tenant has at most this fraction of the busiest tenant's requests in the engine (a user
+# chatting beside a flood, not two floods). The engine still counts as serving one for
+# LIGHT_GRACE_STEPS steps after it left: its next request, sent as its last answer ends, comes then.
+LIGHT_TENANT_FRACTION = 0.25
+LIGHT_GRACE_STEPS = 4
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int
@@ -132,6 +139,7 @@ class Scheduler:
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._light_steps = 0
         # The runner's view: block ids it holds per request it holds, and who left since its last plan.
         self._sent_blocks: dict[str, int] = {}
         self._left: list[str] = []
@@ -143,6 +151,16 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def serves_a_light_tenant(self) -> bool:
+        """A light tenant beside a busier one has had requests in the engine within the last
+        LIGHT_GRACE_STEPS calls (one per step)."""
+        counts = self.waiting.active_counts()
+        if len(counts) > 1 and min(counts) <= LIGHT_TENANT_FRACTION * max(counts):
+            self._light_steps = LIGHT_GRACE_STEPS
+        elif self._light_steps:
+            self._light_steps -= 1
+        return self._light_steps > 0
 
     def num_decoding(self) -> int:
         """Running requests past their prompt: the streams a step's prompt work delays."""
