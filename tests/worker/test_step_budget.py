@@ -79,14 +79,20 @@ def test_a_newcomer_that_cannot_get_blocks_holds_no_budget_back():
     assert tokens_of(run_step(sched)) == {"a-long": 36}   # its rest, not 64 - 60 for one that cannot run
 
 
-def test_prompt_budget_is_what_the_decode_line_leaves_at_the_prefill_rate():
+def fitted_stats() -> LoadStats:
+    """Steps of 10 ms + 2 ms a decode, and 512 prompt tokens beside them at 0.25 ms a token."""
     stats = LoadStats()
-    assert stats.prompt_budget(8, 0.2) is None                   # nothing measured
     for i in range(100):
         decodes = (1, 2, 4, 8, 16)[i % 5]
         _step(stats, decodes, 0, 0.010 + 0.002 * decodes)
-        if i % 5 == 0:   # 512 prompt tokens beside the decodes at 0.25 ms a token
+        if i % 5 == 0:
             _step(stats, decodes, 512, 0.010 + 0.002 * decodes + 0.128)
+    return stats
+
+
+def test_prompt_budget_is_what_the_decode_line_leaves_at_the_prefill_rate():
+    assert LoadStats().prompt_budget(8, 0.2) is None             # nothing measured
+    stats = fitted_stats()
     # 0.1 s left by 8 decodes' 26 ms: 74 ms of prompt at 4000 tokens/s
     assert stats.prompt_budget(8, 0.1) == pytest.approx(296, abs=1)
     assert stats.prompt_budget(0, 0.1) is None                   # nobody's pace to keep
@@ -134,12 +140,7 @@ def test_the_light_tenant_ratio_bounds_prompt_work_only_while_a_light_tenant_is_
 
 
 def test_the_light_tenant_budget_is_that_many_times_the_decodes_time():
-    stats = LoadStats()
-    for i in range(100):
-        decodes = (1, 2, 4, 8, 16)[i % 5]
-        _step(stats, decodes, 0, 0.010 + 0.002 * decodes)
-        if i % 5 == 0:
-            _step(stats, decodes, 512, 0.010 + 0.002 * decodes + 0.128)
+    stats = fitted_stats()
     # 8 decodes take 26 ms: at ratio 1, 26 ms of prompt at 4000 tokens/s; at 4, 104 ms
     assert stats.prompt_budget(8, decode_ratio=1.0) == pytest.approx(104, abs=1)
     assert stats.prompt_budget(8, decode_ratio=4.0) == pytest.approx(416, abs=2)
@@ -167,3 +168,9 @@ def test_a_light_tenant_is_one_with_a_quarter_of_the_busiest_one_s_requests_or_f
 def test_a_light_tenant_ratio_out_of_range_is_refused_at_start(ratio):
     with pytest.raises(ValueError, match="engine.light_tenant_prefill_ratio must be in"):
         build_engine(ModelSourceConfig(), EngineConfig(light_tenant_prefill_ratio=ratio))
+
+
+@pytest.mark.parametrize("step_s", [-0.1, 61.0])
+def test_a_step_time_out_of_range_is_refused_at_start(step_s):
+    with pytest.raises(ValueError, match="engine.max_step_time_s must be in"):
+        build_engine(ModelSourceConfig(), EngineConfig(max_step_time_s=step_s))
