@@ -29,7 +29,7 @@ class EngineLimits:
     max_num_batched_tokens: int
     enable_prefix_caching: bool = True
     max_step_time_s: float = 0.0       # 0: prompt work beside decodes bounded by tokens only (load_stats.py)
-    light_tenant_prefill_ratio: float = 0.0  # 0: no bound while a light tenant is served (config.py)
+    light_tenant_prefill_ratio: float = 1.0  # 0: no bound while a light tenant is served (config.py)
     # Set when every layer (of the model and any draft) attends within this window: blocks
     # wholly outside it return to the pool while a request runs (kv_cache_manager.py).
     sliding_window: int | None = None

@@ -178,10 +178,9 @@ class EngineCore:
         """The prompt tokens the next step may take beside its decodes: limits.max_step_time_s,
         else limits.light_tenant_prefill_ratio while a light tenant is served; None: no bound."""
         step_s, ratio = self.limits.max_step_time_s, self.limits.light_tenant_prefill_ratio
-        light = self.scheduler.serves_a_light_tenant()   # called every step: it counts the grace down
         if step_s:
             return self.load_stats.prompt_budget(self.scheduler.num_decoding(), step_time_s=step_s)
-        if ratio and light:
+        if ratio and self.scheduler.serves_a_light_tenant():   # once a step: it counts the grace down
             return self.load_stats.prompt_budget(self.scheduler.num_decoding(), decode_ratio=ratio)
         return None
 
