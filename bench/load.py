@@ -78,6 +78,7 @@ class Result:
     retry_after_s: float = 0.0     # what the refusal asked for (retry-after-ms)
     org: str = ""
     chunk_times: list[float] = field(default_factory=list)
+    sent_at: float = 0.0           # monotonic, when the request was sent
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -105,10 +106,10 @@ async def stream_once(session: aiohttp.ClientSession, url: str, key: str, model:
                                 headers={"Authorization": f"Bearer {key}"}) as response:
             if response.status != 200:
                 await response.read()
-                return Result(response.status, latency_s=time.monotonic() - start, org=org,
+                return Result(response.status, latency_s=time.monotonic() - start, org=org, sent_at=start,
                               retry_after="Retry-After" in response.headers,
                               retry_after_s=int(response.headers.get("retry-after-ms", "0")) / 1000)
-            result = Result(200, org=org)
+            result = Result(200, org=org, sent_at=start)
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
@@ -271,10 +272,19 @@ async def saturated_capacity(session, url: str, key: str, prompts, seconds: floa
                 rps=tokens_per_s / mean_answer, refused=sum(r.status == 429 for r in results))
 
 
+def trace_rows(factor: float, results: list[Result], gauges: list[dict]) -> list[dict]:
+    """One row's requests and the gateway's gauges, by seconds since its first request."""
+    t0 = min((r.sent_at for r in results if r.sent_at), default=0.0)
+    requests = [dict(factor=factor, t=round(r.sent_at - t0, 2), status=r.status, ttft_s=r.ttft_s,
+                     tokens=r.tokens, tokens_per_s=r.tokens_per_s, latency_s=round(r.latency_s, 3))
+                for r in sorted(results, key=lambda r: r.sent_at)]
+    return requests + [dict(factor=factor, gauge=True, **{**g, "t": round(g["t"] - t0, 1)}) for g in gauges]
+
+
 async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds: float, targets: dict,
-                    factors: tuple[float, ...] = (0.5, 1, 2, 4)) -> dict:
+                    factors: tuple[float, ...] = (0.5, 1, 2, 4), trace: Path | None = None) -> dict:
     """Poisson arrivals at `factors` x `capacity` (requests/s; None: measured first by
-    saturated_capacity)."""
+    saturated_capacity); `trace`: a JSON-lines file of each request and the gateway's gauges."""
     rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -286,11 +296,18 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
             print("capacity", json.dumps(measured), flush=True)
             capacity = measured["rps"]
         rows = []
+        traced: list[dict] = []
         for factor in factors:
+            gauges: list[dict] = []
+            sampler = asyncio.create_task(gateway_gauges(session, url, time.monotonic() + seconds + 120, gauges))
             results = await poisson(session, url, key, prompts, capacity * factor, seconds, rng)
+            sampler.cancel()
+            traced += trace_rows(factor, results, gauges)
             rows.append(open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft,
                                       targets["ttft_target_s"], targets["stream_tokens_per_s"]))
             print("open loop", json.dumps(rows[-1]), flush=True)
+        if trace is not None:
+            trace.write_text("".join(json.dumps(row) + "\n" for row in traced))
     return dict(capacity_rps=capacity, capacity_measured=measured, unloaded_ttft_p95=unloaded_ttft,
                 unloaded_speed_p50=percentile([r.tokens_per_s for r in unloaded if r.tokens_per_s], 50), rows=rows)
 
@@ -637,6 +654,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, help="the open loop's 1x in requests/s (default: measured by a "
                         "closed loop of 64 clients for --seconds)")
     parser.add_argument("--factors", default="0.5,1,2,4", help="the open loop's rates, as multiples of the capacity")
+    parser.add_argument("--trace", type=Path, help="a JSON-lines file of the open loop's requests and gauges")
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python[server] (default: this one)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -664,7 +682,8 @@ def main() -> None:
                     print("burst", json.dumps(row), flush=True)
             if "poisson" in parts:
                 data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, args.capacity, args.seconds, targets,
-                                                          tuple(float(f) for f in args.factors.split(","))))
+                                                          tuple(float(f) for f in args.factors.split(",")),
+                                                          args.trace))
             if "fairness" in parts:
                 data["fairness"] = asyncio.run(fairness(url, prompts, args.fairness_seconds, share_streams))
         finally:
