@@ -128,7 +128,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, key: str, model:
                 result.decode_s = result.chunk_times[-1] - result.chunk_times[0]
             return result
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return Result(0, latency_s=time.monotonic() - start, org=org)
+        return Result(0, latency_s=time.monotonic() - start, org=org, sent_at=start)
 
 
 # -- 1. burst --------------------------------------------------------------------------------------
@@ -273,9 +273,10 @@ async def saturated_capacity(session, url: str, key: str, prompts, seconds: floa
 
 
 def trace_rows(factor: float, results: list[Result], gauges: list[dict]) -> list[dict]:
-    """One row's requests and the gateway's gauges, by seconds since its first request."""
+    """One row's requests and the gateway's gauges, by seconds since its first request (t None: a
+    request still pending when the row gave up on it)."""
     t0 = min((r.sent_at for r in results if r.sent_at), default=0.0)
-    requests = [dict(factor=factor, t=round(r.sent_at - t0, 2), status=r.status, ttft_s=r.ttft_s,
+    requests = [dict(factor=factor, t=round(r.sent_at - t0, 2) if r.sent_at else None, status=r.status, ttft_s=r.ttft_s,
                      tokens=r.tokens, tokens_per_s=r.tokens_per_s, latency_s=round(r.latency_s, 3))
                 for r in sorted(results, key=lambda r: r.sent_at)]
     return requests + [dict(factor=factor, gauge=True, **{**g, "t": round(g["t"] - t0, 1)}) for g in gauges]
@@ -298,11 +299,12 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
         rows = []
         traced: list[dict] = []
         for factor in factors:
-            gauges: list[dict] = []
-            sampler = asyncio.create_task(gateway_gauges(session, url, time.monotonic() + seconds + 120, gauges))
+            gauges: list[dict] = []   # sampled only for a trace: an untraced run scrapes no /metrics
+            sampler = asyncio.create_task(gateway_gauges(session, url, float("inf"), gauges)) if trace else None
             results = await poisson(session, url, key, prompts, capacity * factor, seconds, rng)
-            sampler.cancel()
-            traced += trace_rows(factor, results, gauges)
+            if sampler is not None:
+                sampler.cancel()
+                traced += trace_rows(factor, results, gauges)
             rows.append(open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft,
                                       targets["ttft_target_s"], targets["stream_tokens_per_s"]))
             print("open loop", json.dumps(rows[-1]), flush=True)
