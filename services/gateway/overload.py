@@ -6,8 +6,10 @@ workers report speeds, the streams they can run while each gets overload.stream_
 (admission/estimator.py; in a standing queue, beside the arrivals' prefills); before that,
 max_in_flight_per_worker x the routable workers (0: a fixed max_in_flight_per_model). Gateway replicas share it: each takes 1/replicas, rounded up, within
 [min_in_flight_per_model, max_in_flight_per_model]. A request is also held back while the prompt
-tokens queued in the pool (reported, plus what this replica admitted since) would keep its first
-token past overload.ttft_target_s; a request alone in flight is never held back. An organization
+tokens queued in the pool (reported, plus what this replica admitted since), drained beside the
+streams decoding, and its own prefill would put its first token past overload.ttft_target_s
+(estimator.py; a long prompt's own prefill counts at most half of it); a request alone in flight is
+never held back. An organization
 with nothing in flight is not kept waiting behind others' streams: it may take one of a few slots
 past the limit (a quarter of it, at least one), so a light user stays interactive during a flood;
 those are counted apart, so a flood's streams left above a limit that fell do not use them up
@@ -204,7 +206,7 @@ class OverloadGuard:
         of it, at least one."""
         return max(1, gate.limit // 4)
 
-    def _fits(self, gate: _ModelGate, org: str) -> bool:
+    def _fits(self, gate: _ModelGate, org: str, prompt_tokens: int) -> bool:
         if gate.org_in_flight[org] == 0 and fits(gate.in_flight, gate.releases.spare_in_use, gate.limit,
                                                  self._spare(gate), 0):
             return True
@@ -212,7 +214,19 @@ class OverloadGuard:
             return False
         if gate.in_flight == 0 or not self._cfg.follow_pool_load:
             return True
-        return gate.pool.queue_delay_s(sum(gate.since_report)) <= self._cfg.ttft_target_s
+        estimate = self._estimate(gate, prompt_tokens, gate.in_flight, sum(gate.since_report))
+        if estimate is None:
+            return True
+        # A prompt whose own prefill takes half the target or more counts only half: it would never
+        # fit beside a queue otherwise, and it keeps the head of the fair order, so the queue drains.
+        target = self._cfg.ttft_target_s
+        return estimate.queue_s + min(estimate.ttft_s - estimate.queue_s, target / 2) <= target
+
+    @staticmethod
+    def _estimate(gate: _ModelGate, prompt_tokens: int, others: int, since_report: int) -> Estimate | None:
+        """A request's first token and speed beside `others` streams in flight here (the report
+        also sees other replicas') and the prompts admitted here since the report."""
+        return gate.pool.estimate(prompt_tokens, max(gate.pool.state.running, others), since_report)
 
     def estimated_wait_s(self, model: str, ahead: int, org: str = "") -> float | None:
         """When a request of `org` behind the first `ahead` waiters of the fair order (at most all of
@@ -335,7 +349,7 @@ class OverloadGuard:
     def _wake(self, model: str, gate: _ModelGate) -> None:
         while len(gate.queue):
             waiter = gate.queue.peek()
-            if not waiter.future.done() and not self._fits(gate, waiter.org):
+            if not waiter.future.done() and not self._fits(gate, waiter.org, waiter.prompt_tokens):
                 break
             gate.queue.pop()
             if waiter.future.done():
@@ -391,7 +405,7 @@ class OverloadGuard:
         cost = token_cost(prompt_tokens, answer_tokens)
         gate.queue.join(org)
         try:
-            if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org):
+            if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org, prompt_tokens):
                 if gate.in_flight < gate.limit:
                     gate.contended_since = None     # a free slot: no standing queue
                 slot = self._grant(gate, org, cost, weight, prompt_tokens, answer_tokens)
@@ -406,8 +420,7 @@ class OverloadGuard:
             gate.queue.leave(org)
             raise
         ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self, _slot=slot)
-        running = max(gate.pool.state.running, gate.in_flight - 1)   # the report also sees other replicas'
-        ticket.estimate = gate.pool.estimate(prompt_tokens, running, sum(gate.since_report[:-1]))
+        ticket.estimate = self._estimate(gate, prompt_tokens, gate.in_flight - 1, sum(gate.since_report[:-1]))
         if ticket.estimate is not None:
             hold = ticket.estimate.ttft_s + answer_tokens / ticket.estimate.tokens_per_s
             slot.predicted_hold_s = hold

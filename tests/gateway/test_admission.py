@@ -33,12 +33,12 @@ def guard(**cfg) -> OverloadGuard:
 
 
 def report(running: int = 1, base: float = 0.010, per_seq: float = 0.002, seqs: int = 64, prefill: float = 1000.0,
-           queued: int = 0, prefill_share: float = 0.0) -> worker_pb2.LoadReport:
+           queued: int = 0, prefill_share: float = 0.0, budget: int = 0) -> worker_pb2.LoadReport:
     step = base + per_seq * running
     return worker_pb2.LoadReport(model="m", running=running, decode_tokens_per_s=1 / step, step_time_s=step,
                                  prefill_tokens_per_s=prefill, max_num_seqs=seqs, waiting_prompt_tokens=queued,
                                  decode_step_base_s=base, decode_step_per_seq_s=per_seq,
-                                 prefill_time_share=prefill_share)
+                                 prefill_time_share=prefill_share, max_num_batched_tokens=budget)
 
 
 # -- the estimator ---------------------------------------------------------------------------
@@ -71,6 +71,68 @@ def test_skewed_reports_do_not_move_the_capacity_a_change_lasting_half_its_windo
     assert pool.capacity(20.0) == 2
     pool.update([report(8)], now + CAPACITY_WINDOW_S)         # after a quiet window the newest alone
     assert pool.capacity(20.0) == 20
+
+
+def test_queued_prompts_drain_slower_beside_decoding_streams():
+    pool = PoolEstimator()
+    pool.update([report(12, base=0.1, per_seq=0.01, prefill=1000.0, queued=2000, budget=512)], 0.0)
+    assert pool.drain_s(0, streams=0) == pytest.approx(2.0)                  # nothing decodes: the pure rate
+    # 12 decodes leave 500 tokens a step: 4 steps of 0.1 + 12 x 0.01 s on top of the prompts' 2 s
+    assert pool.drain_s(0, streams=12) == pytest.approx(2.0 + 4 * 0.22)
+    assert pool.drain_s(500, streams=12) == pytest.approx(2.5 + 5 * 0.22)     # admitted since the report
+    # 600 decodes leave no budget: the worker's floor of 64 prompt tokens a step
+    assert pool.drain_s(0, streams=600) == pytest.approx(2.0 + 2000 / 64 * 6.1)
+    two = PoolEstimator()                                                    # two workers share the queue
+    two.update([report(6, base=0.1, per_seq=0.01, prefill=500.0, queued=1000, budget=512)] * 2, 0.0)
+    assert two.drain_s(0, streams=12) == pytest.approx(2.0 + 1000 / 506 * 0.16)
+    unknown = PoolEstimator()                                                # a worker that reports no budget
+    unknown.update([report(12, prefill=1000.0, queued=2000)], 0.0)
+    assert unknown.drain_s(0, streams=12) == pytest.approx(2.0)
+
+
+async def test_admission_counts_the_decodes_beside_the_queued_prompts():
+    """1.5 s of prompts at the pure rate fits a 2 s target; beside 40 decoding streams it does not."""
+    g = guard(ttft_target_s=2.0)
+    g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=1500, budget=512)]})
+    async with g.admit("m", prompt_tokens=10):
+        async with g.admit("m", prompt_tokens=10):                          # few decode: admitted at once
+            pass
+        g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=1500, budget=512)]})
+        held = asyncio.create_task(g.admit("m", prompt_tokens=10).__aenter__())
+        await asyncio.sleep(0.05)
+        assert not held.done()                                               # 1.5 s + 4 steps of 0.5 s
+        g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=500, budget=512)]})
+        await asyncio.wait_for(held, 1)
+
+
+async def test_a_long_prompt_waits_where_a_short_one_is_admitted():
+    """Its own prefill counts: about 1.05 s of queued prompts beside 40 streams, then 0.01 s or 1 s of
+    its own and a step of 0.51 s, against a 2 s target."""
+    g = guard(ttft_target_s=2.0)
+    g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=500, budget=512)]})
+    async with g.admit("m", prompt_tokens=10):
+        async with g.admit("m", prompt_tokens=10) as short:
+            # 500 tokens queued and 10 admitted here since the report, 472 a step of 0.5 s
+            assert short.estimate.ttft_s == pytest.approx(0.51 + 510 / 472 * 0.5 + 0.01 + 0.51)
+            long = asyncio.create_task(g.admit("m", prompt_tokens=1000).__aenter__())
+            await asyncio.sleep(0.05)
+            assert not long.done()
+            g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=0, budget=512)]})
+            assert (await asyncio.wait_for(long, 1)).estimate.ttft_s == pytest.approx(1.0 + 0.51)
+
+
+async def test_a_prompt_longer_than_the_target_waits_only_for_the_queue_to_drain_to_half_of_it():
+    """3 s of its own prefill never fits a 2 s target: it is admitted once the prompts ahead take 1 s
+    or less, not only when nothing else is in flight."""
+    g = guard(ttft_target_s=2.0)
+    g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=1000, budget=512)]})
+    async with g.admit("m", prompt_tokens=10):
+        long = asyncio.create_task(g.admit("m", prompt_tokens=3000).__aenter__())
+        await asyncio.sleep(0.05)
+        assert not long.done()                                    # 1 s + 3 steps of 0.5 s ahead
+        g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=300, budget=512)]})
+        ticket = await asyncio.wait_for(long, 1)                  # 0.3 s + a step ahead
+        assert ticket.estimate.queue_s < 1.0 < 2.0 < ticket.estimate.ttft_s
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,12 @@ same model on the same kind of machine, so their mean line serves the pool. From
   a target of 2. A burst's prefill is left out: it happens once, and its streams decode at the
   line's speed afterwards;
 - a new request's time to first token: the prompt tokens queued ahead of it (reported by the
-  workers, plus what this gateway admitted since their report) over the pool's prefill rate, plus
-  its own prefill and one step.
+  workers, plus what this gateway admitted since their report) drained beside the streams
+  decoding, plus its own prefill and one step. Each step computes at most the token budget less
+  its decodes, and takes the decode step on top of its prompt tokens' time: the reported rate is
+  the prompt tokens' own, and a 2-core CPU worker beside 50 streams drains its queue at about
+  half of it. Admission that counted the pure rate let a ramp's arrivals queue first tokens 2-4 s
+  deep (bench-load's open loop at 4x, 12-05).
 
 The capacity is the median over the lines reported in the last CAPACITY_WINDOW_S seconds, not the
 last one: during a burst the fit swings with the mix of prefill and decode in its steps. Over the
@@ -37,6 +41,7 @@ from llmserve.v1 import worker_pb2
 KNEE_SHARE = 0.8
 MAX_PREFILL_SHARE = 0.9    # of the worker's time: past it a stream's speed is left to the floor of the limit
 CAPACITY_WINDOW_S = 30.0   # the capacity is the median of the lines reported over this many seconds
+MIN_CHUNK_TOKENS = 64      # prompt tokens a step takes however many decode (the worker's floor)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class PoolState:
     waiting: int = 0
     waiting_prompt_tokens: int = 0
     max_num_seqs: int = 0              # summed running caps
+    max_num_batched_tokens: int = 0    # the smallest engine token budget per step
     prefill_tokens_per_s: float = 0.0  # summed
     prefill_time_share: float = 0.0    # the workers' mean
 
@@ -56,6 +62,7 @@ class PoolState:
                    waiting=sum(r.waiting for r in reports),
                    waiting_prompt_tokens=sum(r.waiting_prompt_tokens for r in reports),
                    max_num_seqs=sum(r.max_num_seqs for r in reports),
+                   max_num_batched_tokens=min((r.max_num_batched_tokens for r in reports), default=0),
                    prefill_tokens_per_s=sum(r.prefill_tokens_per_s for r in reports),
                    prefill_time_share=sum(r.prefill_time_share for r in reports) / len(reports) if reports else 0.0)
 
@@ -96,6 +103,7 @@ class StepLine:
 class Estimate:
     ttft_s: float
     tokens_per_s: float
+    queue_s: float = 0.0     # of ttft_s, the prompts queued ahead of it; the rest is its own prefill and a step
 
 
 class PoolEstimator:
@@ -133,6 +141,17 @@ class PoolEstimator:
             return 0.0
         return (s.waiting_prompt_tokens + extra_prompt_tokens) / s.prefill_tokens_per_s
 
+    def drain_s(self, extra_prompt_tokens: int, streams: int) -> float:
+        """How long the queued prompts take beside `streams` decoding: at the pure rate, plus one
+        decode step for each chunk the budget leaves them (the module docstring). 0 when unknown."""
+        s, delay = self.state, self.queue_delay_s(extra_prompt_tokens)
+        per_worker = streams / max(1, s.workers)
+        if not delay or self.line is None or per_worker < 1 or not s.max_num_batched_tokens:
+            return delay
+        chunk = max(MIN_CHUNK_TOKENS, s.max_num_batched_tokens - per_worker)
+        steps = (s.waiting_prompt_tokens + extra_prompt_tokens) / max(1, s.workers) / chunk
+        return delay + steps * self.line.step_s(per_worker)
+
     def estimate(self, prompt_tokens: int, streams: int, extra_prompt_tokens: int = 0) -> Estimate | None:
         """A new request's first token and stream speed if it joined `streams` running ones."""
         s = self.state
@@ -141,5 +160,5 @@ class PoolEstimator:
         per_worker = max(1.0, (streams + 1) / max(1, s.workers))
         step = self.line.step_s(per_worker)
         prefill = prompt_tokens / (s.prefill_tokens_per_s / max(1, s.workers))
-        return Estimate(ttft_s=self.queue_delay_s(extra_prompt_tokens) + prefill + step,
-                        tokens_per_s=1 / step)
+        queue = self.drain_s(extra_prompt_tokens, streams)
+        return Estimate(ttft_s=queue + prefill + step, tokens_per_s=1 / step, queue_s=queue)
