@@ -71,6 +71,21 @@ def test_a_newcomer_of_another_tenant_is_prefilled_before_a_flood_s_next_chunk()
     assert "a-next" not in step()
 
 
+def test_a_newcomer_of_a_tenant_with_nothing_running_has_a_step_of_its_own():
+    """Its first token waits for its prefill alone; A's decodes and chunk come in the next step."""
+    sched = scheduler(budget=128)
+    sched.add(request("a-decoding", 4, "A"))
+    run_step(sched)
+    sched.add(request("a-long", 200, "A"))
+    assert tokens_of(run_step(sched)) == {"a-decoding": 1, "a-long": 127}
+    sched.add(request("b-short", 10, "B"))
+    sched.add(request("a-next", 10, "A"))
+    assert tokens_of(run_step(sched)) == {"b-short": 10}
+    assert tokens_of(run_step(sched)) == {"a-decoding": 1, "a-long": 73, "b-short": 1, "a-next": 10}
+    sched.add(request("b-second", 10, "B"))            # B runs: its next newcomer takes its turn in the steps
+    assert "a-decoding" in tokens_of(run_step(sched))
+
+
 def test_a_newcomer_that_cannot_get_blocks_holds_no_budget_back():
     sched = scheduler(blocks=31)                       # 30 usable blocks of 4 tokens
     sched.add(request("a-long", 100, "A"))

@@ -136,6 +136,13 @@ class FairQueue:
         """Requests waiting or running, per tenant that has any."""
         return [t.active for t in self._tenants.values()]
 
+    def head_tenant_idle(self) -> bool:
+        """peek()'s tenant has nothing running (every request of it waits; a preempted head ran)."""
+        if self._preempted or not self._size:
+            return False
+        tenant = self._tenants[self.peek().share.tenant]
+        return tenant.active == len(tenant.heap)
+
     def counter(self, tenant: str) -> float | None:
         t = self._tenants.get(tenant)
         return t.counter if t else None

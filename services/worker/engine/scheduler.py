@@ -8,7 +8,7 @@ fair order by tokens served (fair_queue.py; one tenant: first come first served)
 the queue is never skipped, so nobody starves. Prompt work (running requests' chunks, admissions)
 may be bounded further per step (schedule's prompt_budget, from the engine's max_step_time_s), and
 a running request's next chunk leaves room for the head of the queue when that belongs to another
-tenant ranked no later, or leaves the step to it when that tenant has nothing running
+tenant ranked no later, and a newcomer of a tenant with nothing running has a step of its own
 (_head_claim). When a running request cannot get a block, the most recently admitted request is
 preempted: its blocks are freed and it goes back to the head of the queue, to be recomputed (its
 finished prefix blocks stay findable in the prefix cache, so recompute is often cheap).
@@ -177,6 +177,10 @@ class Scheduler:
         yielded = False   # a chunk was held back for a newcomer of a tenant with nothing running
         counter = self.waiting.counter
         running, scheduled, allocate = self.running, out.scheduled, self.kv.allocate
+        if running and self.waiting.head_tenant_idle():
+            claim = self._head_claim(prompt)
+            if claim[0] and claim[3]:
+                running, yielded = (), True    # the newcomer's own step (_head_claim)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -234,11 +238,14 @@ class Scheduler:
         counter as large: a tenant that turns active takes the smallest active counter) leaves it
         that much of its next chunk: under one tenant's flood, another's newcomer is prefilled in
         the next step, not behind the flood's prompts. A newcomer of a tenant with nothing running
-        (a light user beside a flood) gets the step's prompt work to itself, so that step is
-        decodes and its prompt, not a full chunk beside it (bench-load's light organization beside
-        a 24-stream flood, one A/B on 12-04: TTFT p95 5.1x unloaded before, 4.4x after; the target
-        is 3x); tenants that both run (two floods) share the budget as above, so their throughput
-        is not spent on short steps."""
+        (a light user beside a flood) has the next step to itself, its first prompt chunk alone:
+        its first token waits for its own prefill, not for the flood's decodes and chunks beside it
+        (bench-load's light organization beside a 24-stream flood, 12-04: TTFT p95 5.1x unloaded
+        before it had the step's prompt work to itself, 4.4x after; the target is 3x). The
+        decodes lose no token for it: they come one step later, as they would have come at the end
+        of a step that held its prefill, and cost one more pass over the weights. Tenants that
+        both run (two floods) share the budget as above, so their throughput is not spent on
+        short steps."""
         waiting = self.waiting
         if not waiting or len(self.running) >= self.config.max_num_seqs:
             return 0, "", math.inf, False
