@@ -63,6 +63,20 @@ def test_a_second_tenant_is_not_stuck_behind_a_flood():
     assert order.index("short") == 1, order   # right after the request that was running
 
 
+def test_on_a_tie_a_tenant_with_nothing_running_goes_before_a_flood_s_queue():
+    """B turns active at A's counter: its newcomer is the head, ahead of A's earlier arrivals."""
+    sched = scheduler(max_seqs=2, budget=4)
+    for i in range(3):
+        sched.add(request(f"flood{i}", "A"))
+    serve(sched, 1)                       # flood0 runs (the budget left admits no other)
+    sched.add(request("short", "B"))
+    assert sched.waiting.counter("B") == sched.waiting.counter("A")
+    assert sched.waiting.peek().request_id == "short" and sched.waiting.head_tenant_idle()
+    assert [item.request_id for item in run_step(sched).scheduled] == ["short"]   # a step of its own
+    sched.add(request("short2", "B"))     # B runs, charged past A
+    assert sched.waiting.peek().request_id == "flood1" and not sched.waiting.head_tenant_idle()
+
+
 def test_equal_weights_alternate_and_two_to_one_weights_get_two_to_one():
     for weights, expected in (((1, 1), 1.0), ((2, 1), 2.0)):
         sched = scheduler()

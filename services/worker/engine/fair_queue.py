@@ -81,16 +81,21 @@ class FairQueue:
     def peek(self) -> Request:
         if self._preempted:
             return self._preempted[0]
-        best = min((t for t in self._tenants.values() if t.heap), key=lambda t: (t.counter, t.heap[0][1]))
-        return best.heap[0][2]
+        return self._next_tenant().heap[0][2]
 
     def pop(self) -> Request:
         """Takes what peek() returned."""
         self._size -= 1
         if self._preempted:
             return self._preempted.popleft()
-        best = min((t for t in self._tenants.values() if t.heap), key=lambda t: (t.counter, t.heap[0][1]))
-        return heapq.heappop(best.heap)[2]
+        return heapq.heappop(self._next_tenant().heap)[2]
+
+    def _next_tenant(self) -> _Tenant:
+        """The backlogged tenant with the smallest counter; on a tie one with nothing running (a
+        tenant turning active takes the smallest counter, so a light user's newcomer ties with a
+        flood's and would wait behind its queue), then the earliest arrival."""
+        return min((t for t in self._tenants.values() if t.heap),
+                   key=lambda t: (t.counter, t.active > len(t.heap), t.heap[0][1]))
 
     def remove(self, request: Request) -> None:
         """Takes a waiting request out (aborted); finished() still has to be called."""
