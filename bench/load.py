@@ -601,8 +601,9 @@ def render(d: dict) -> str:
               "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
               "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
               "it, 80% of the peak throughput's worth; the median of the lines reported over the last 30 s, so a "
-              "fit skewed for a few seconds does not move the limit) and the queued prompts would not push a first "
-              "token past the TTFT target; in a standing queue the target speed is asked of the decode "
+              "fit skewed for a few seconds does not move the limit) and its estimated first token (the prompts "
+              "queued in the pool, drained beside the streams decoding at the token budget less their decodes a "
+              "step, then its own prefill and a step) is within the TTFT target; in a standing queue the target speed is asked of the decode "
               "steps' share of the time, what the reported prefill share of the workers' last seconds leaves "
               "(steady arrivals keep prefilling; a burst's prefill happens once and is left out); the limit is "
               "split between gateway replicas through the Redis heartbeats.",
@@ -621,7 +622,8 @@ def render(d: dict) -> str:
               "60 s, the most the openai SDK honours); every waiter's estimate is renewed "
               "when a slot frees, a report arrives or a newcomer is placed ahead, and one that can no longer make "
               "its bound is refused then. The worker's own waiting queue keeps the same weighted fair order by "
-              "tokens served.",
+              "tokens served; on a tie of counters a tenant with nothing running goes first, and its newcomer has "
+              "the next step to itself (a light user's first token waits for its own prefill only).",
               "- Metrics: llmserve_gateway_admission_decisions{model, organization, decision}, the queue wait "
               "estimated and measured, the TTFT estimate, llmserve_gateway_overload_limit.", ""]
     return "\n".join(lines)
