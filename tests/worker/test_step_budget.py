@@ -86,6 +86,18 @@ def test_a_newcomer_of_a_tenant_with_nothing_running_has_a_step_of_its_own():
     assert "a-decoding" in tokens_of(run_step(sched))
 
 
+def test_newcomers_of_many_idle_tenants_share_one_own_step_and_the_next_step_decodes():
+    sched = scheduler(budget=128)
+    sched.add(request("a-decoding", 4, "A"))
+    run_step(sched)
+    for tenant in "BCD":
+        sched.add(request(f"{tenant.lower()}-short", 50, tenant))
+    assert tokens_of(run_step(sched)) == {"b-short": 50, "c-short": 50, "d-short": 28}
+    # E's newcomer is idle too, but the streams decode first: beside its prompt (d-short's chunk yields)
+    sched.add(request("e-short", 10, "E"))
+    assert tokens_of(run_step(sched)) == {"a-decoding": 1, "b-short": 1, "c-short": 1, "e-short": 10}
+
+
 def test_a_newcomer_that_cannot_get_blocks_holds_no_budget_back():
     sched = scheduler(blocks=31)                       # 30 usable blocks of 4 tokens
     sched.add(request("a-long", 100, "A"))
