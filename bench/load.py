@@ -276,8 +276,8 @@ def trace_rows(factor: float, results: list[Result], gauges: list[dict]) -> list
     """One row's requests and the gateway's gauges, by seconds since its first request (t None: a
     request still pending when the row gave up on it)."""
     t0 = min((r.sent_at for r in results if r.sent_at), default=0.0)
-    requests = [dict(factor=factor, t=round(r.sent_at - t0, 2) if r.sent_at else None, status=r.status, ttft_s=r.ttft_s,
-                     tokens=r.tokens, tokens_per_s=r.tokens_per_s, latency_s=round(r.latency_s, 3))
+    requests = [dict(factor=factor, t=round(r.sent_at - t0, 2) if r.sent_at else None, status=r.status,
+                     ttft_s=r.ttft_s, tokens=r.tokens, tokens_per_s=r.tokens_per_s, latency_s=round(r.latency_s, 3))
                 for r in sorted(results, key=lambda r: r.sent_at)]
     return requests + [dict(factor=factor, gauge=True, **{**g, "t": round(g["t"] - t0, 1)}) for g in gauges]
 
@@ -603,8 +603,8 @@ def render(d: dict) -> str:
               "it, 80% of the peak throughput's worth; the median of the lines reported over the last 30 s, so a "
               "fit skewed for a few seconds does not move the limit) and its estimated first token (the prompts "
               "queued in the pool, drained beside the streams decoding at the token budget less their decodes a "
-              "step, then its own prefill and a step) is within the TTFT target; in a standing queue the target speed is asked of the decode "
-              "steps' share of the time, what the reported prefill share of the workers' last seconds leaves "
+              "step, then its own prefill and a step) is within the TTFT target; in a standing queue the target "
+              "speed is asked of the decode steps' share of the time, what the reported prefill share of the workers' last seconds leaves "
               "(steady arrivals keep prefilling; a burst's prefill happens once and is left out); the limit is "
               "split between gateway replicas through the Redis heartbeats.",
               "- Beyond that a request waits in a fair queue: priority class first, then organizations by virtual "

@@ -8,9 +8,8 @@ max_in_flight_per_worker x the routable workers (0: a fixed max_in_flight_per_mo
 [min_in_flight_per_model, max_in_flight_per_model]. A request is also held back while the prompt
 tokens queued in the pool (reported, plus what this replica admitted since), drained beside the
 streams decoding, and its own prefill would put its first token past overload.ttft_target_s
-(estimator.py; a long prompt's own prefill counts at most half of it); a request alone in flight is
-never held back. An organization
-with nothing in flight is not kept waiting behind others' streams: it may take one of a few slots
+(estimator.py; a long prompt's own prefill counts at most half of it); a request alone in flight
+is never held back. An organization with nothing in flight is not kept waiting behind others' streams: it may take one of a few slots
 past the limit (a quarter of it, at least one), so a light user stays interactive during a flood;
 those are counted apart, so a flood's streams left above a limit that fell do not use them up
 (admission/slot_release.py's `fits`).

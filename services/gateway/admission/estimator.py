@@ -103,7 +103,7 @@ class StepLine:
 class Estimate:
     ttft_s: float
     tokens_per_s: float
-    queue_s: float = 0.0     # of ttft_s, the prompts queued ahead of it; the rest is its own prefill and a step
+    queue_s: float           # of ttft_s, the prompts queued ahead of it; the rest is its own prefill and a step
 
 
 class PoolEstimator:
@@ -145,12 +145,13 @@ class PoolEstimator:
         """How long the queued prompts take beside `streams` decoding: at the pure rate, plus one
         decode step for each chunk the budget leaves them (the module docstring). 0 when unknown."""
         s, delay = self.state, self.queue_delay_s(extra_prompt_tokens)
-        per_worker = streams / max(1, s.workers)
+        workers = max(1, s.workers)
+        per_worker = streams / workers
         if not delay or self.line is None or per_worker < 1 or not s.max_num_batched_tokens:
             return delay
         chunk = max(MIN_CHUNK_TOKENS, s.max_num_batched_tokens - per_worker)
-        steps = (s.waiting_prompt_tokens + extra_prompt_tokens) / max(1, s.workers) / chunk
-        return delay + steps * self.line.step_s(per_worker)
+        chunks = (s.waiting_prompt_tokens + extra_prompt_tokens) / workers / chunk
+        return delay + chunks * self.line.step_s(per_worker)
 
     def estimate(self, prompt_tokens: int, streams: int, extra_prompt_tokens: int = 0) -> Estimate | None:
         """A new request's first token and stream speed if it joined `streams` running ones."""

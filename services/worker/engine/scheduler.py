@@ -9,9 +9,10 @@ the queue is never skipped, so nobody starves. Prompt work (running requests' ch
 may be bounded further per step (schedule's prompt_budget, from the engine's max_step_time_s), and
 a running request's next chunk leaves room for the head of the queue when that belongs to another
 tenant ranked no later, and a newcomer of a tenant with nothing running has a step of its own,
-never two such steps in a row (_head_claim). When a running request cannot get a block, the most recently admitted request is
-preempted: its blocks are freed and it goes back to the head of the queue, to be recomputed (its
-finished prefix blocks stay findable in the prefix cache, so recompute is often cheap).
+never two such steps in a row (_head_claim). When a running request cannot get a block, the most
+recently admitted request is preempted: its blocks are freed and it goes back to the head of the
+queue, to be recomputed (its finished prefix blocks stay findable in the prefix cache, so
+recompute is often cheap).
 
 The scheduler is the one owner of request state: schedule advances each scheduled request's
 computed tokens and counts the token it will sample as a placeholder; update_from_output applies
