@@ -4,8 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed
+# bench-load's llama.cpp peer: llama-cpp-python's OpenAI server, in a venv of its own (its server's
+# FastAPI and pydantic pins are not ours); pip builds llama.cpp from the sdist, about 7 min on 2 cores,
+# for AVX2: the native build (AVX-512, AMX) crashed on its first prompt on a Sapphire Rapids VM.
+PEERS := .venv-peers
+LLAMA_CPP := llama-cpp-python[server]==0.3.36
 
-.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-decode-ab bench-step-budget bench-gpu bench-spec bench-gateway bench-router bench-load images test-images docker-tools lint clean
+.PHONY: install protos browser sizing schemas test test-soak run bench-engine bench-decode-ab bench-step-budget bench-gpu bench-spec bench-gateway bench-router bench-load peers images test-images docker-tools lint clean
 
 install: $(STAMP) protos
 
@@ -55,8 +60,8 @@ run: install
 sizing: install
 	$(PYTHON) -m services.worker.sizing
 
-bench-engine: install
-	$(PYTHON) -m bench.engine
+bench-engine: install peers
+	$(PYTHON) -m bench.engine --llama-python $(PEERS)/bin/python
 
 # Batch-1 decode and 16 gRPC streams against the tree before the engine core v2, alternating.
 bench-decode-ab: install
@@ -79,12 +84,20 @@ bench-router: install
 bench-gateway: install
 	$(PYTHON) -m bench.gateway
 
-bench-load: install
-	$(PYTHON) -m bench.load
+peers: $(PEERS)/.installed
+
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PEERS)/bin/python -m pip install -q --no-cache-dir '$(LLAMA_CPP)'
+	touch $@
+
+bench-load: install peers
+	$(PYTHON) -m bench.load --llama-python $(PEERS)/bin/python
 
 # Regenerates each Helm chart's values.schema.json from its values.yaml.
 schemas: install
 	$(PYTHON) deploy/k8s/values_schema.py
 
 clean:
-	rm -rf $(VENV) libs/llmserve/v1 .pytest_cache
+	rm -rf $(VENV) $(PEERS) libs/llmserve/v1 .pytest_cache

@@ -186,6 +186,7 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int],
     import subprocess
     import urllib.request
 
+    import httpx
     import openai
 
     from tests.procs import free_port
@@ -227,7 +228,10 @@ def llama_cpp_peer(gguf: str, n: int, max_tokens: int, eos_token_ids: list[int],
             res = await asyncio.gather(*(one(p, m) for p, m in prompts))
             return res, time.perf_counter() - t0
 
-        res, elapsed = asyncio.run(run_all())
+        try:
+            res, elapsed = asyncio.run(run_all())
+        except (openai.APIError, httpx.HTTPError) as e:   # a server that crashed mid-stream says so here
+            raise RuntimeError(f"llama_cpp.server failed ({e!r}; exit code {proc.poll()})") from None
         if any(finish != "length" for _, finish in res):
             raise RuntimeError(f"llama_cpp.server ended streams before max_tokens: {[f for _, f in res]}")
         res = [(ttft, m) for (ttft, _), (_, m) in zip(res, prompts)]
@@ -370,6 +374,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--constrained-only", action="store_true", help="only section 5")
     parser.add_argument("--host-only", action="store_true", help="only section 6")
+    parser.add_argument("--llama-python", help="a Python with llama-cpp-python[server] (`make peers` builds one)")
     args = parser.parse_args()
     n = 8 if args.quick else args.requests
     if args.constrained_only:
@@ -427,9 +432,10 @@ def main() -> None:
             print(f"gRPC worker   {label}: {streams} streams x {max_tokens} tokens: {g['tps']:.1f} tok/s aggregate, "
                   f"TTFT p50 {g['ttft_p50']:.2f}s p95 {g['ttft_p95']:.2f}s (target p95 < 3s)")
         from services.worker.model.gguf_loader import smollm2_gguf_path
-        peer = llama_cpp_peer(str(smollm2_gguf_path()), streams, max_tokens, tokenizer.eos_token_ids)
+        peer = llama_cpp_peer(str(smollm2_gguf_path()), streams, max_tokens, tokenizer.eos_token_ids,
+                              python=args.llama_python)
         if peer is None:
-            print("llama-cpp     not installed (optional peer: pip install 'llama-cpp-python[server]', ~6-9 min build)")
+            print("llama-cpp     not installed (optional peer: `make peers`, ~7 min build, then --llama-python)")
         else:
             ratios = ", ".join(f"{label} {g['tps'] / peer['tps']:.2f}x" for label, g in served.items())
             print(f"llama-cpp     {peer['tps']:.1f} tok/s aggregate (the GGUF's own 4-bit weights), TTFT p95 "
