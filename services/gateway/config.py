@@ -82,8 +82,12 @@ class OverloadConfig:
     # once, over this window, newcomers keep finding the pool full faster than slots free.
     sustained_window_s: float = 5.0
     # A burst's requests arrive together: a newcomer that finds the pool full later than this after
-    # the queue formed is not part of the burst it absorbs, and waits only the short bound.
+    # the queue formed is not part of the burst it absorbs, and waits only the short bound (as do
+    # all of a queue that formed with no burst, overload.py).
     burst_arrival_s: float = 2.0
+    # A burst: this share of the limit (at least 4 requests) arriving within half a second. A queue
+    # that forms with no burst is new load from its first waiter on (0: every queue may be a burst's).
+    burst_share: float = 0.25
     refuse_status: int = 429          # 429 or 503
     retry_after_s: float = 1.0
 
@@ -160,5 +164,7 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError(f"overload.sustained_window_s must be in (0, 600] seconds, got {overload.sustained_window_s}")
     if not 0 <= overload.burst_arrival_s <= 600:
         raise ConfigError(f"overload.burst_arrival_s must be in [0, 600] seconds, got {overload.burst_arrival_s}")
+    if not 0 <= overload.burst_share <= 1:
+        raise ConfigError(f"overload.burst_share must be in [0, 1], got {overload.burst_share}")
     if overload.default_output_tokens < 1:
         raise ConfigError("overload.default_output_tokens must be >= 1")

@@ -23,9 +23,12 @@ late (Facebook's controlled-delay queues, "Fail at Scale", use the same two boun
 stands once every newcomer has had to wait for queue_timeout_s on end, or sooner once arrivals
 outpace the slots freed (sustained_window_s), and then holds those it took under the long bound
 to the short one too; it lasts until nobody has been refused for queue_timeout_s. A burst
-arrives at once: a newcomer that finds the pool full over burst_arrival_s after the queue formed,
-when nobody who could wait the long bound was refused since (so it is no burst's retry), is new
-load: the queue stands from then on, and the burst's waiters keep their bounds. A newcomer
+arrives at once (overload.burst_share of the limit within half a second): a queue that formed
+without one (arrivals filled the pool, or its prompt queue, over time) stands at once, and a
+newcomer that waits over burst_arrival_s after a burst's queue formed, when nobody who could wait
+the long bound was refused since (so it is no burst's retry), is new load: the queue stands from
+then on, and the burst's waiters keep their bounds. While a burst's queue is absorbed, only the
+slots hold its waiters back, not the pool's queued prompts. A newcomer
 whose estimated wait exceeds its bound, or who finds the queue full, is refused at once, with a
 Retry-After for when that wait would be half its bound (at most 60 s, the most the openai SDK
 honours). The wait is read off the streams in flight (admission/slot_release.py): each is
@@ -62,6 +65,11 @@ HOLD_ALPHA = 0.2      # weight of the newest stream in the means of slot hold an
 MAX_RETRY_AFTER_S = 60.0
 OUTPACE = 1.5         # arrivals that find the pool full per slot freed that say the overload is sustained
 OUTPACE_MIN = 4       # and at least this many of them in the window
+# A burst: overload.burst_share of the limit, at least BURST_MIN requests, arriving within
+# BURST_WINDOW_S. bench-load's burst of 32 chats arrives so; Poisson arrivals at 4x its capacity bring
+# 4 in half a second, 16 in 2 s.
+BURST_WINDOW_S = 0.5
+BURST_MIN = 4
 
 
 class Overloaded(ApiError):
@@ -81,10 +89,11 @@ class Ticket:
 
     def first_token(self) -> None:
         guard = self._guard
-        if guard is None or self._slot is None or self._slot.first_token_at is not None:
+        if guard is None or self._slot is None:
             return
-        now = self._slot.first_token_at = guard.clock()   # the slot's hold is its first token, then decode
-        gate = guard._gate(self.model)
+        gate, now = guard._gate(self.model), guard.clock()
+        if not gate.releases.first_token(self._slot, now):   # the slot's hold is its first token, then decode
+            return
         gate.first_token_s = _mean(gate.first_token_s, now - self.admitted_at)
         if self.estimate is not None:
             guard.metrics.ttft_ratio.labels(model=self.model).observe(
@@ -123,6 +132,8 @@ class _ModelGate:
         self.long_refused_at = float("-inf")  # the last of one that could wait the long bound (its retry is due)
         self.found_full = _Recent(window_s)    # newcomers that could not be admitted at once
         self.freed = _Recent(window_s)         # slots freed by streams that ended
+        self.arrived = _Recent(BURST_WINDOW_S)  # newcomers
+        self.burst_at = float("-inf")           # the last arrival that made a burst
 
 
 class _Recent:
@@ -211,9 +222,9 @@ class OverloadGuard:
             return True
         if gate.in_flight >= gate.limit:
             return False
-        if gate.in_flight == 0 or not self._cfg.follow_pool_load:
+        if gate.in_flight == 0 or not self._cfg.follow_pool_load or self._absorbing(gate):
             return True
-        estimate = self._estimate(gate, prompt_tokens, gate.in_flight, sum(gate.since_report))
+        estimate = self._estimate(gate, prompt_tokens, gate.in_flight, self._unreported(gate))
         if estimate is None:
             return True
         # A prompt whose own prefill takes half the target or more counts only half: it would never
@@ -222,10 +233,21 @@ class OverloadGuard:
         return estimate.queue_s + min(estimate.ttft_s - estimate.queue_s, target / 2) <= target
 
     @staticmethod
-    def _estimate(gate: _ModelGate, prompt_tokens: int, others: int, since_report: int) -> Estimate | None:
+    def _estimate(gate: _ModelGate, prompt_tokens: int, others: int, unreported: int) -> Estimate | None:
         """A request's first token and speed beside `others` streams in flight here (the report
-        also sees other replicas') and the prompts admitted here since the report."""
-        return gate.pool.estimate(prompt_tokens, max(gate.pool.state.running, others), since_report)
+        also sees other replicas') and `unreported` prompt tokens queued past the report's."""
+        return gate.pool.estimate(prompt_tokens, max(gate.pool.state.running, others), unreported)
+
+    @staticmethod
+    def _unreported(gate: _ModelGate, own: int = 0) -> int:
+        """The prompt tokens admitted here that the pool's last report may not count: those admitted
+        since it or, where more, those still awaiting their first token past the prompt tokens it
+        reports queued, as requests on their way to a worker when it was taken are in neither.
+        bench-load's open loop at 4x capacity from an idle pool: reports showed 1-2 streams running
+        while this gateway had admitted 7-13, and first tokens came 2-5.6 s after admission against
+        estimates of 1.5-2.3 s. `own`: a request's own prompt, granted already."""
+        awaiting = gate.releases.awaiting_prompt_tokens - gate.pool.state.waiting_prompt_tokens
+        return max(0, sum(gate.since_report) - own, awaiting - own)
 
     def estimated_wait_s(self, model: str, ahead: int, org: str = "") -> float | None:
         """When a request of `org` behind the first `ahead` waiters of the fair order (at most all of
@@ -251,7 +273,7 @@ class OverloadGuard:
             return [None] * len(turn)
         if not self._cfg.follow_pool_load:
             return list(granted)
-        backlog = max(0.0, gate.pool.queue_delay_s(sum(gate.since_report)) - self._cfg.ttft_target_s)
+        backlog = max(0.0, gate.pool.queue_delay_s(self._unreported(gate)) - self._cfg.ttft_target_s)
         return [at + backlog for at in granted]
 
     def _grant(self, gate: _ModelGate, org: str, cost: float, weight: float, prompt_tokens: int,
@@ -261,7 +283,7 @@ class OverloadGuard:
         gate.org_in_flight[org] += 1
         gate.queue.charge(org, cost, weight)
         gate.since_report.append(prompt_tokens)
-        return gate.releases.take(org, self.clock(), answer_tokens, spare)
+        return gate.releases.take(org, self.clock(), answer_tokens, spare, prompt_tokens)
 
     def wait_bound_s(self, model: str, org: str = "") -> float:
         """How long a request of `org` arriving now may wait: queue_timeout_s, or the short bound in a
@@ -277,19 +299,33 @@ class OverloadGuard:
         if not self._held_short(gate, org):
             return cfg.queue_timeout_s
         if not standing and self._after_burst(gate):
-            gate.standing = standing = True         # new load past a burst; its waiters keep their bounds
+            gate.standing = standing = True         # new load; a burst's waiters keep their bounds
         return self._short_bound_s(gate) if standing else cfg.queue_timeout_s
 
-    def _after_burst(self, gate: _ModelGate) -> bool:
-        """The queue formed over burst_arrival_s ago and has refused nobody who could wait the long
-        bound since: a newcomer now neither came with a burst it may be absorbing nor retries a
-        refusal of one, so it is new load. bench-load's open loop at 2x capacity: until the queue was
-        seen standing, 7.5 s on, the waiters that came meanwhile got first tokens 2-5 s after
-        arriving. Those queued before keep their bounds: a late newcomer is no reason to turn away a
-        burst's waiters."""
+    @staticmethod
+    def _absorbing(gate: _ModelGate) -> bool:
+        """The queue is a burst's and not standing: its waiters are past the first-token target
+        already, so only the slots hold them back. Held for the pool's queued prompts too, they
+        reached the worker a report at a time and its steps ran short of prompts."""
         since = gate.contended_since
-        return (since is not None and self.clock() - since > self._cfg.burst_arrival_s
-                and gate.long_refused_at < since)
+        return not gate.standing and since is not None and gate.burst_at >= since - BURST_WINDOW_S
+
+    def _after_burst(self, gate: _ModelGate) -> bool:
+        """A newcomer that waits is new load, not part of a burst the queue may be absorbing, when no
+        burst arrived since shortly before the queue formed (Poisson arrivals that filled the pool,
+        or its prompt queue, over time), or the queue formed over burst_arrival_s ago and has
+        refused nobody who could wait the long bound since (so the newcomer retries no refusal of a
+        burst either). bench-load's open loop at 2x capacity: until the queue was seen standing, 7.5
+        s on, the waiters that came meanwhile got first tokens 2-5 s after arriving; with the second
+        rule alone, the waiters of each queue's first burst_arrival_s, held back by the pool's queued
+        prompts and counted as a burst's, got them 2.5-5.6 s after arriving at 4x capacity (admitted
+        0.3-3.6 s after arriving, with first tokens 0.5-1.1 s later). A burst's waiters keep their
+        bounds: a late newcomer is no reason to turn them away."""
+        since = gate.contended_since
+        if since is None:
+            return False
+        return gate.burst_at < since - BURST_WINDOW_S or (
+            self.clock() - since > self._cfg.burst_arrival_s and gate.long_refused_at < since)
 
     def _short_bound_s(self, gate: _ModelGate) -> float:
         """A standing queue's bound: what the TTFT target leaves past the measured time from admission
@@ -394,6 +430,19 @@ class OverloadGuard:
                           headers={"Retry-After": str(max(1, math.ceil(retry_s))),
                                    "retry-after-ms": str(int(retry_s * 1000))})
 
+    def _arrival(self, gate: _ModelGate, now: float) -> None:
+        """Counts a newcomer; one that makes a burst (overload.burst_share of the limit, at least
+        BURST_MIN, within BURST_WINDOW_S; a share of 0: every newcomer) marks it. A queue that formed
+        moments ago and was taken for new load stands no more: the burst came after its first waiters."""
+        cfg = self._cfg
+        gate.arrived.add(now)
+        if cfg.burst_share and gate.arrived.count(now) < max(BURST_MIN, cfg.burst_share * gate.limit):
+            return
+        since = gate.contended_since
+        if since is not None and now - since < cfg.burst_arrival_s and gate.burst_at < since - BURST_WINDOW_S:
+            gate.standing = False
+        gate.burst_at = now
+
     @asynccontextmanager
     async def admit(self, model: str, org: str = "", weight: float = 1.0, priority: int = 0,
                     prompt_tokens: int = 0, max_tokens: int | None = None) -> AsyncIterator[Ticket]:
@@ -402,6 +451,8 @@ class OverloadGuard:
         gate = self._gate(model)
         answer_tokens = max_tokens or cfg.default_output_tokens
         cost = token_cost(prompt_tokens, answer_tokens)
+        now = self.clock()
+        self._arrival(gate, now)
         gate.queue.join(org)
         try:
             if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org, prompt_tokens):
@@ -411,15 +462,15 @@ class OverloadGuard:
                 self.metrics.decisions.labels(model=model, organization=org, decision="admitted").inc()
             else:
                 if gate.contended_since is None:
-                    gate.contended_since = self.clock()
-                gate.found_full.add(self.clock())
+                    gate.contended_since = now
+                gate.found_full.add(now)
                 slot = await self._queue(model, gate, Waiter(org, weight, priority, cost, prompt_tokens=prompt_tokens,
                                                              answer_tokens=answer_tokens))
         except BaseException:
             gate.queue.leave(org)
             raise
         ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self, _slot=slot)
-        ticket.estimate = self._estimate(gate, prompt_tokens, gate.in_flight - 1, sum(gate.since_report[:-1]))
+        ticket.estimate = self._estimate(gate, prompt_tokens, gate.in_flight - 1, self._unreported(gate, prompt_tokens))
         if ticket.estimate is not None:
             hold = ticket.estimate.ttft_s + answer_tokens / ticket.estimate.tokens_per_s
             slot.predicted_hold_s = hold

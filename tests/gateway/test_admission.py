@@ -20,6 +20,7 @@ from services.gateway.config import GatewayConfig, OverloadConfig, validate
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.overload import OverloadGuard, Overloaded
 from services.gateway.pool_watch import PoolWatch
+from tests.gateway.admission_helpers import VirtualClock
 from tests.gateway.harness import GatewayHarness
 from tests.gateway.test_overload_replicas import replicas
 from tests.procs import worker
@@ -92,7 +93,7 @@ def test_queued_prompts_drain_slower_beside_decoding_streams():
 
 async def test_admission_counts_the_decodes_beside_the_queued_prompts():
     """1.5 s of prompts at the pure rate fits a 2 s target; beside 40 decoding streams it does not."""
-    g = guard(ttft_target_s=2.0)
+    g = guard(ttft_target_s=2.0, burst_share=0.0)   # every queue may be a burst's: the long bound
     g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=1500, budget=512)]})
     async with g.admit("m", prompt_tokens=10):
         async with g.admit("m", prompt_tokens=10):                          # few decode: admitted at once
@@ -105,18 +106,40 @@ async def test_admission_counts_the_decodes_beside_the_queued_prompts():
         await asyncio.wait_for(held, 1)
 
 
+async def test_prompts_on_their_way_to_the_worker_when_it_reported_count_until_their_first_token():
+    """Three prompts of 500 tokens admitted, then a report taken before they reached the worker (an
+    idle queue): a fourth is still held (1.5 s of them at the pure rate and 3 steps beside the
+    decodes, then its own 0.5 s and a step, against a 2 s target) until their first tokens come."""
+    g = guard(ttft_target_s=2.0)
+    idle = report(1, base=0.1, per_seq=0.01, queued=0, budget=512)
+    g.set_pool({"m": [idle]})
+    async with contextlib.AsyncExitStack() as held:
+        admitted = [await held.enter_async_context(g.admit("m", prompt_tokens=500)) for _ in range(3)]
+        assert admitted[2].estimate.queue_s == pytest.approx(1.0 + 1000 / 510 * 0.12)
+        g.set_pool({"m": [idle]})
+        fourth = asyncio.create_task(g.admit("m", prompt_tokens=500).__aenter__())
+        await asyncio.sleep(0.05)
+        assert not fourth.done()
+        for ticket in admitted:
+            ticket.first_token()
+        g.set_pool({"m": [idle]})
+        assert (await asyncio.wait_for(fourth, 1)).estimate.queue_s == 0.0
+
+
 async def test_a_long_prompt_waits_where_a_short_one_is_admitted():
     """Its own prefill counts: about 1.05 s of queued prompts beside 40 streams, then 0.01 s or 1 s of
     its own and a step of 0.51 s, against a 2 s target."""
     g = guard(ttft_target_s=2.0)
     g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=500, budget=512)]})
-    async with g.admit("m", prompt_tokens=10):
+    async with g.admit("m", prompt_tokens=10) as first:
         async with g.admit("m", prompt_tokens=10) as short:
             # 500 tokens queued and 10 admitted here since the report, 472 a step of 0.5 s
             assert short.estimate.ttft_s == pytest.approx(0.51 + 510 / 472 * 0.5 + 0.01 + 0.51)
             long = asyncio.create_task(g.admit("m", prompt_tokens=1000).__aenter__())
             await asyncio.sleep(0.05)
             assert not long.done()
+            first.first_token()                     # else their prompts might still be on their way
+            short.first_token()
             g.set_pool({"m": [report(40, base=0.1, per_seq=0.01, queued=0, budget=512)]})
             assert (await asyncio.wait_for(long, 1)).estimate.ttft_s == pytest.approx(1.0 + 0.51)
 
@@ -204,7 +227,7 @@ async def test_a_standing_queue_leaves_room_in_the_limit_for_the_arrivals_prefil
 
 
 async def test_a_deep_prefill_queue_holds_requests_back_until_it_drains():
-    g = guard(ttft_target_s=1.0)
+    g = guard(ttft_target_s=1.0, burst_share=0.0)   # every queue may be a burst's: the long bound
     g.set_pool({"m": [report(queued=0)]})
     async with g.admit("m", prompt_tokens=100):
         g.set_pool({"m": [report(queued=5000)]})                 # 5 s of prompts ahead
@@ -214,6 +237,45 @@ async def test_a_deep_prefill_queue_holds_requests_back_until_it_drains():
         g.set_pool({"m": [report(queued=200)]})                  # drained
         await asyncio.wait_for(held, 1)
     assert g.metrics.decisions.labels(model="m", organization="", decision="queued")._value.get() == 1
+
+
+async def test_held_by_the_queued_prompts_arrivals_over_time_wait_the_short_bound_and_a_bursts_the_long():
+    """A deep prompt queue in the pool (3 s of prompts) holds newcomers back. One that comes alone is
+    new load: it waits only the short bound (the 2 s target, nothing measured yet). Of 16 arriving
+    at once (a burst from the 10th on: a quarter of the limit of 40), the waiters past the burst's
+    detection wait the long bound, the queue is not standing, and the next report admits them all:
+    a burst's waiters are past the target already, and only the slots hold them back."""
+    clock = VirtualClock()
+
+    def held_guard() -> OverloadGuard:
+        g = OverloadGuard(OverloadConfig(max_in_flight_per_model=64, max_queued_per_model=64, queue_timeout_s=30.0,
+                                         ttft_target_s=2.0), GatewayMetrics(), clock=clock)
+        g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=3000, budget=512)]})
+        assert g.limit("m") == 40
+        return g
+
+    g = held_guard()
+    async with g.admit("m", prompt_tokens=100):                     # alone in flight: admitted
+        clock.t += 1
+        alone = asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__())
+        await asyncio.sleep(0)
+        [waiter] = g._gate("m").queue.ordered()
+        assert waiter.deadline - waiter.queued_at == 2.0 and g._gate("m").standing
+        alone.cancel()
+        await asyncio.gather(alone, return_exceptions=True)
+
+    clock.t += 100
+    g = held_guard()
+    burst = [asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__()) for _ in range(16)]
+    await asyncio.sleep(0)
+    bounds = [w.deadline - w.queued_at for w in g._gate("m").queue.ordered()]
+    assert len(bounds) == 15 and bounds[:8] == [2.0] * 8 and bounds[8:] == [30.0] * 7
+    assert not g._gate("m").standing
+    g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=3000, budget=512)]})
+    await asyncio.wait_for(asyncio.gather(*burst), 1)     # every one admitted: only the slots hold a burst back
+    for task in burst:
+        task.cancel()
+    await asyncio.gather(*burst, return_exceptions=True)
 
 
 async def test_fair_order_between_organizations_and_priority_classes():
@@ -299,7 +361,8 @@ async def test_two_gateways_share_the_measured_budget(redis_prefix):
     ("stream_tokens_per_s", -1.0, "stream_tokens_per_s"), ("queue_timeout_s", -1.0, "queue_timeout_s"),
     ("default_output_tokens", 0, "default_output_tokens"), ("sustained_window_s", 0.0, "sustained_window_s"),
     ("sustained_window_s", 1e4, "sustained_window_s"), ("burst_arrival_s", -1.0, "burst_arrival_s"),
-    ("burst_arrival_s", 1e4, "burst_arrival_s")])
+    ("burst_arrival_s", 1e4, "burst_arrival_s"), ("burst_share", -0.1, "burst_share"),
+    ("burst_share", 1.5, "burst_share")])
 def test_the_config_loader_refuses_targets_out_of_range(field, value, message):
     cfg = GatewayConfig()
     cfg.server.plain_http = True

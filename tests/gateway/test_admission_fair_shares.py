@@ -82,7 +82,9 @@ async def test_weights_two_to_one_give_two_to_one_even_to_the_smaller_flood():
 async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with_retry_after():
     clock = VirtualClock()
     g = OverloadGuard(OverloadConfig(max_in_flight_per_model=64, max_queued_per_model=64, queue_timeout_s=60.0,
-                                     stream_tokens_per_s=20.0, ttft_target_s=1.0), GatewayMetrics(), clock=clock)
+                                     stream_tokens_per_s=20.0, ttft_target_s=1.0,
+                                     burst_share=0.0),   # every queue may be a burst's: the long bound
+                      GatewayMetrics(), clock=clock)
     g.set_pool({"m": [report(1, base=0.010)]})          # 20 streams at 20 tokens/s
     async with g.admit("m", max_tokens=200):
         clock.t += 200                                   # streams of 200 tokens hold their slot 200 s
@@ -255,6 +257,35 @@ async def test_newcomers_after_a_burst_that_refused_nobody_wait_the_short_bound_
     for s in streams + burst:
         s.task.cancel()
     await asyncio.gather(*(s.task for s in streams + burst), return_exceptions=True)
+
+
+async def test_a_queue_formed_as_the_pool_filled_over_time_stands_at_once_and_a_bursts_does_not():
+    clock = VirtualClock()
+    g = sustained_guard(clock)                           # burst_arrival_s: 2 s; a burst: 2 arrivals in it
+    streams = []
+    for _ in range(SLOTS):                               # the pool fills over 12 s, one arrival each 3 s
+        streams.append(Stream(g))
+        await asyncio.sleep(0)
+        clock.t += 3
+    assert g.wait_bound_s("m") == 30.0                   # no queue yet
+    newcomer = Stream(g)                                 # finds the pool full: new load, not a burst
+    await asyncio.sleep(0)
+    assert g._gates["m"].standing and g.wait_bound_s("m") == 1.0
+    [waiter] = g._gates["m"].queue.ordered()
+    assert waiter.deadline - waiter.queued_at == 1.0     # the short bound from its first waiter on
+    for s in streams + [newcomer]:
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in streams + [newcomer]), return_exceptions=True)
+
+    clock.t += 100                                       # the same pool filled by a burst
+    g = sustained_guard(clock)
+    burst = [Stream(g) for _ in range(SLOTS + 1)]
+    await asyncio.sleep(0)
+    [waiter] = g._gates["m"].queue.ordered()
+    assert not g._gates["m"].standing and waiter.deadline - waiter.queued_at == 30.0
+    for s in burst:
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in burst), return_exceptions=True)
 
 
 @pytest.mark.parametrize("turns", range(5))

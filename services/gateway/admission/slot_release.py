@@ -47,6 +47,7 @@ class Slot:
     granted_at: float
     budget_tokens: int
     spare: bool = False                      # granted past the limit
+    prompt_tokens: int = 0
     predicted_hold_s: float | None = None   # the pool's estimate at admission (None: none made)
     first_token_at: float | None = None     # when its first token went out (None: not yet, or never)
 
@@ -59,21 +60,33 @@ class SlotReleases:
         self.spare_in_use = 0      # slots in flight granted past the limit
         self.s_per_token = 0.0     # measured seconds per budgeted token after the first (0: none ended)
         self.first_token_s = 0.0   # measured seconds from grant to first token (0: none measured)
+        self.awaiting_prompt_tokens = 0   # the prompts of the slots whose first token has not come
 
     def __len__(self) -> int:
         return len(self._slots)
 
-    def take(self, org: str, now: float, budget_tokens: int, spare: bool) -> Slot:
-        slot = Slot(org, now, max(1, budget_tokens), spare)
+    def take(self, org: str, now: float, budget_tokens: int, spare: bool, prompt_tokens: int = 0) -> Slot:
+        slot = Slot(org, now, max(1, budget_tokens), spare, prompt_tokens)
         self._slots.add(slot)
         self.spare_in_use += spare
+        self.awaiting_prompt_tokens += prompt_tokens
         return slot
+
+    def first_token(self, slot: Slot, now: float) -> bool:
+        """The slot's first token went out now; False if it had already (or the slot was freed)."""
+        if slot.first_token_at is not None or slot not in self._slots:
+            return False
+        slot.first_token_at = now
+        self.awaiting_prompt_tokens -= slot.prompt_tokens
+        return True
 
     def free(self, slot: Slot, now: float, measured: bool = True) -> None:
         """The slot's stream ended (measured: its hold teaches the speed; not for a grant handed back unused)."""
         if slot in self._slots:
             self._slots.remove(slot)
             self.spare_in_use -= slot.spare
+            if slot.first_token_at is None:
+                self.awaiting_prompt_tokens -= slot.prompt_tokens
         if not measured:
             return
         decode_from = slot.granted_at
