@@ -303,12 +303,16 @@ class OverloadGuard:
         return self._short_bound_s(gate) if standing else cfg.queue_timeout_s
 
     @staticmethod
-    def _absorbing(gate: _ModelGate) -> bool:
+    def _burst_queue(gate: _ModelGate) -> bool:
+        """A queue stands now, and a burst arrived since shortly before it formed."""
+        since = gate.contended_since
+        return since is not None and gate.burst_at >= since - BURST_WINDOW_S
+
+    def _absorbing(self, gate: _ModelGate) -> bool:
         """The queue is a burst's and not standing: its waiters are past the first-token target
         already, so only the slots hold them back. Held for the pool's queued prompts too, they
         reached the worker a report at a time and its steps ran short of prompts."""
-        since = gate.contended_since
-        return not gate.standing and since is not None and gate.burst_at >= since - BURST_WINDOW_S
+        return not gate.standing and self._burst_queue(gate)
 
     def _after_burst(self, gate: _ModelGate) -> bool:
         """A newcomer that waits is new load, not part of a burst the queue may be absorbing, when no
@@ -324,7 +328,7 @@ class OverloadGuard:
         since = gate.contended_since
         if since is None:
             return False
-        return gate.burst_at < since - BURST_WINDOW_S or (
+        return not self._burst_queue(gate) or (
             self.clock() - since > self._cfg.burst_arrival_s and gate.long_refused_at < since)
 
     def _short_bound_s(self, gate: _ModelGate) -> float:
@@ -439,7 +443,7 @@ class OverloadGuard:
         if cfg.burst_share and gate.arrived.count(now) < max(BURST_MIN, cfg.burst_share * gate.limit):
             return
         since = gate.contended_since
-        if since is not None and now - since < cfg.burst_arrival_s and gate.burst_at < since - BURST_WINDOW_S:
+        if since is not None and now - since < cfg.burst_arrival_s and not self._burst_queue(gate):
             gate.standing = False
         gate.burst_at = now
 
