@@ -35,9 +35,10 @@ honours). The wait is read off the streams in flight (admission/slot_release.py)
 expected to end at its grant + its answer budget at the measured speed, and a waiter whose turn
 needs n slots freed waits for the n-th end (a replay of _wake on those ends), not n x the mean
 hold / the limit. The estimate of everyone waiting is renewed whenever it can change (a slot
-freed, a new report, a newcomer placed ahead by the fair order): a waiter who can no longer be
-admitted within its bound is refused then, not when the bound runs out. Nothing reaches the
-upstream before admission, so a refused request costs the pool nothing.
+freed, a new report, a first token of a prompt admitted here, a newcomer placed ahead by the fair
+order): a waiter who can no longer be admitted within its bound is refused then, not when the
+bound runs out. Nothing reaches the upstream before admission, so a refused request costs the
+pool nothing.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class Ticket:
             guard.metrics.ttft_ratio.labels(model=self.model).observe(
                 (now - self.admitted_at) / max(1e-3, self.estimate.ttft_s))
             self.estimate = None
+        if len(gate.queue):   # its prompt no longer holds the waiters back
+            guard._wake(self.model, gate)
 
 
 def _mean(mean: float, value: float) -> float:
@@ -121,7 +124,7 @@ class _ModelGate:
         self.queue = FairQueue()
         self.releases = SlotReleases()
         self.pool = PoolEstimator()
-        self.since_report: list[int] = []     # prompt tokens admitted here since the pool's last report
+        self.since_report: list[Slot] = []    # granted since the last report, awaiting a first token
         self.org_in_flight: Counter[str] = Counter()
         self.hold_s = 0.0                     # mean time a stream holds its slot (0: none measured)
         self.expected_hold_s = 0.0            # the same from the estimates at admission (0: none made)
@@ -241,13 +244,15 @@ class OverloadGuard:
     @staticmethod
     def _unreported(gate: _ModelGate, own: int = 0) -> int:
         """The prompt tokens admitted here that the pool's last report may not count: those admitted
-        since it or, where more, those still awaiting their first token past the prompt tokens it
-        reports queued, as requests on their way to a worker when it was taken are in neither.
+        since it, until their first token, or, where more, those still awaiting their first token
+        past the prompt tokens it reports queued, as requests on their way to a worker when it was
+        taken are in neither.
         bench-load's open loop at 4x capacity from an idle pool: reports showed 1-2 streams running
         while this gateway had admitted 7-13, and first tokens came 2-5.6 s after admission against
         estimates of 1.5-2.3 s. `own`: a request's own prompt, granted already."""
         awaiting = gate.releases.awaiting_prompt_tokens - gate.pool.state.waiting_prompt_tokens
-        return max(0, sum(gate.since_report) - own, awaiting - own)
+        gate.since_report = [slot for slot in gate.since_report if slot.first_token_at is None]
+        return max(0, sum(slot.prompt_tokens for slot in gate.since_report) - own, awaiting - own)
 
     def estimated_wait_s(self, model: str, ahead: int, org: str = "") -> float | None:
         """When a request of `org` behind the first `ahead` waiters of the fair order (at most all of
@@ -282,8 +287,9 @@ class OverloadGuard:
         gate.in_flight += 1
         gate.org_in_flight[org] += 1
         gate.queue.charge(org, cost, weight)
-        gate.since_report.append(prompt_tokens)
-        return gate.releases.take(org, self.clock(), answer_tokens, spare, prompt_tokens)
+        slot = gate.releases.take(org, self.clock(), answer_tokens, spare, prompt_tokens)
+        gate.since_report.append(slot)
+        return slot
 
     def wait_bound_s(self, model: str, org: str = "") -> float:
         """How long a request of `org` arriving now may wait: queue_timeout_s, or the short bound in a
@@ -333,15 +339,19 @@ class OverloadGuard:
 
     def _short_bound_s(self, gate: _ModelGate) -> float:
         """A standing queue's bound: what the TTFT target leaves past the measured time from admission
-        to first token, and at most the mean time between slots freed (hold / limit). Waiting the
-        whole target, bench-load's open loop at 4x the pool's capacity got first tokens 2.2 s after
-        arrival at the median against a 2 s target: a newcomer then waits for the step in progress
-        and prefills in one as long. A standing queue keeps a waiter ready for the next slot, not a
-        line: with the target's remainder alone, 4x got TTFT p95 1.94 s (unloaded 0.69 s), with this
-        cap 0.87 s, the same goodput, and more refusals in a few ms."""
+        to first token and, while every slot is taken, at most the mean time between slots freed
+        (hold / limit). Waiting the whole target, bench-load's open loop at 4x the pool's capacity
+        got first tokens 2.2 s after arrival at the median against a 2 s target: a newcomer then
+        waits for the step in progress and prefills in one as long. A standing queue keeps a waiter
+        ready for the next slot, not a line: with the target's remainder alone, 4x got TTFT p95
+        1.94 s (unloaded 0.69 s), with this cap 0.87 s, the same goodput, and more refusals in a few
+        ms. With slots free the pool's queued prompts hold the waiters back, and they go as first
+        tokens come: capped there too, its open loop at 1x refused 10 of 110 with 16-50 of 64 slots
+        in flight (ttft_target_s 0.8 s)."""
         cfg = self._cfg
         bound = max(0.0, min(cfg.queue_timeout_s, cfg.ttft_target_s - gate.first_token_s))
-        return min(bound, gate.hold_s / gate.limit) if gate.hold_s and gate.limit else bound
+        slots_bind = gate.in_flight >= gate.limit and gate.hold_s and gate.limit
+        return min(bound, gate.hold_s / gate.limit) if slots_bind else bound
 
     @staticmethod
     def _held_short(gate: _ModelGate, org: str) -> bool:

@@ -126,6 +126,21 @@ async def test_prompts_on_their_way_to_the_worker_when_it_reported_count_until_t
         assert (await asyncio.wait_for(fourth, 1)).estimate.queue_s == 0.0
 
 
+async def test_a_waiter_held_by_prompts_on_their_way_is_admitted_at_their_first_tokens_not_the_next_report():
+    """As above, but no report comes: the first tokens of the prompts that held the fourth back
+    admit it (left for a report, or a slot freed, it was refused for a queue timeout)."""
+    g = guard(ttft_target_s=2.0)
+    g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=0, budget=512)]})
+    async with contextlib.AsyncExitStack() as held:
+        admitted = [await held.enter_async_context(g.admit("m", prompt_tokens=500)) for _ in range(3)]
+        fourth = asyncio.create_task(g.admit("m", prompt_tokens=500).__aenter__())
+        await asyncio.sleep(0.05)
+        assert not fourth.done()
+        for ticket in admitted:
+            ticket.first_token()
+        await asyncio.wait_for(fourth, 1)
+
+
 async def test_a_long_prompt_waits_where_a_short_one_is_admitted():
     """Its own prefill counts: about 1.05 s of queued prompts beside 40 streams, then 0.01 s or 1 s of
     its own and a step of 0.51 s, against a 2 s target."""
