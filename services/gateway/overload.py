@@ -251,8 +251,8 @@ class OverloadGuard:
         while this gateway had admitted 7-13, and first tokens came 2-5.6 s after admission against
         estimates of 1.5-2.3 s. `own`: a request's own prompt, granted already."""
         awaiting = gate.releases.awaiting_prompt_tokens - gate.pool.state.waiting_prompt_tokens
-        gate.since_report = [slot for slot in gate.since_report if slot.first_token_at is None]
-        return max(0, sum(slot.prompt_tokens for slot in gate.since_report) - own, awaiting - own)
+        since = sum(slot.prompt_tokens for slot in gate.since_report if slot.first_token_at is None)
+        return max(0, since - own, awaiting - own)
 
     def estimated_wait_s(self, model: str, ahead: int, org: str = "") -> float | None:
         """When a request of `org` behind the first `ahead` waiters of the fair order (at most all of
