@@ -255,9 +255,9 @@ class OverloadGuard:
         """What a first-token estimate is scaled by before it is held to the target: the 90th
         percentile of the last first tokens' measured / estimated times, at least 1 (1 until
         MIN_TTFT_ERRORS were measured). Estimates right on the mean put a tenth of first tokens
-        1.25-2x past them: bench-load's open loop at 1x and 4x capacity got TTFT p95 of 1.08-1.13 s and
-        1.16-1.29 s against the 1 s target; with the margin, 0.96-1.04 s and 1.10-1.11 s, the same
-        goodput."""
+        1.25-2x past them: bench-load's open loop at 1x and 4x capacity got TTFT p95 of 1.08-1.13 s
+        and 1.16-1.29 s against the 1 s target; with the margin, 0.96-1.04 s and 1.10-1.11 s, the
+        same goodput."""
         if len(gate.ttft_errors) < MIN_TTFT_ERRORS:
             return 1.0
         return max(1.0, statistics.quantiles(gate.ttft_errors, n=10)[-1])
@@ -368,14 +368,15 @@ class OverloadGuard:
 
     def _clump(self, gate: _ModelGate) -> bool:
         """A queue no burst formed, with slots free (only prompts on their way to a first token hold
-        its newcomers back) and arrivals (all of them) not outpacing the slots freed: Poisson arrivals that clumped below the pool's capacity, not overload. Its newcomers
-        wait up to the first-token target for the prompts ahead, and it does not stand; a standing
-        queue too, as one lasts queue_timeout_s past its last refusal. Given the short bound (the
+        its newcomers back) and arrivals (all of them) not outpacing the slots freed: Poisson
+        arrivals that clumped below the pool's capacity, not overload. Its newcomers wait up to the
+        first-token target for the prompts ahead, and it does not stand; nor does a standing queue
+        hold them to the short bound, as one lasts queue_timeout_s past its last refusal. Given the short bound (the
         target less the measured 0.6-0.8 s from admission to first token), bench-load's open loop
         at half its capacity refused 1-9 of 52 across runs, each behind 300-700 prompt tokens of
         this gateway's in prefill, and 5 of 53 in the 30 s after the capacity loop's overload."""
-        return (gate.contended_since is not None and gate.in_flight < gate.limit and not self._burst_queue(gate)
-                and not self._outpaced(gate, self.clock(), gate.arrived))
+        return (gate.contended_since is not None and gate.in_flight < gate.limit
+                and not self._burst_queue(gate) and not self._outpaced(gate, self.clock(), gate.arrived))
 
     def _short_bound_s(self, gate: _ModelGate) -> float:
         """A standing queue's bound: what the TTFT target leaves past the measured time from admission
@@ -433,7 +434,7 @@ class OverloadGuard:
     def _outpaced(gate: _ModelGate, now: float, newcomers: _Recent | None = None) -> bool:
         """In the last window, newcomers (by default those that found the pool full) came OUTPACE
         times as often as slots freed, and at least OUTPACE_MIN of them."""
-        came = (newcomers or gate.found_full).count(now)
+        came = (gate.found_full if newcomers is None else newcomers).count(now)
         return came >= OUTPACE_MIN and came >= OUTPACE * gate.freed.count(now)
 
     def _wake(self, model: str, gate: _ModelGate) -> None:
