@@ -250,12 +250,15 @@ def open_loop_row(rate: float, factor: float, results: list[Result], seconds: fl
                 refusals_with_retry_after=sum(r.retry_after for r in refused))
 
 
-async def unloaded_ttft_p95(session, url: str, key: str, prompts, org: str = "") -> float:
-    """The first tokens' p95 over the whole mix sent one at a time (2-token answers: the first token
-    does not wait for the answer's length). Over the first 6 prompts it had been 0.52-0.72 s on one
-    tree, as the longest prompt was among them or not."""
+async def unloaded_first_tokens(session, url: str, key: str, prompts, org: str = "") -> list[float]:
+    """The first tokens of the whole mix sent one at a time (2-token answers: the first token does
+    not wait for the answer's length). Over the first 6 prompts their p95 had been 0.52-0.72 s on one
+    tree, as the longest prompt was among them or not. A reference is the p95 of the first tokens
+    before and after the loaded phase together: one pass's p95 of 32 moved 0.44-0.74 s across runs
+    of one tree (12-06)."""
     first = [await stream_once(session, url, key, MODEL, p, 2, org) for p, _ in prompts]
-    return percentile([r.ttft_s for r in first if r.ttft_s], 95)
+    return [r.ttft_s for r in first if r.ttft_s]
+
 
 
 async def saturated_capacity(session, url: str, key: str, prompts, seconds: float,
@@ -294,14 +297,14 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
     rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        unloaded_ttft = await unloaded_ttft_p95(session, url, key, prompts)
+        before = await unloaded_first_tokens(session, url, key, prompts)
         unloaded = [await stream_once(session, url, key, MODEL, p, m) for p, m in prompts[:6]]
         measured = None
         if capacity is None:
             measured = await saturated_capacity(session, url, key, prompts, seconds)
             print("capacity", json.dumps(measured), flush=True)
             capacity = measured["rps"]
-        rows = []
+        loaded: list[tuple[float, list[Result]]] = []
         traced: list[dict] = []
         for factor in factors:
             gauges: list[dict] = []   # sampled only for a trace: an untraced run scrapes no /metrics
@@ -310,12 +313,17 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
             if sampler is not None:
                 sampler.cancel()
                 traced += trace_rows(factor, results, gauges)
-            rows.append(open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft,
-                                      targets["ttft_target_s"], targets["stream_tokens_per_s"]))
-            print("open loop", json.dumps(rows[-1]), flush=True)
+            loaded.append((factor, results))
+        after = await unloaded_first_tokens(session, url, key, prompts)
         if trace is not None:
             trace.write_text("".join(json.dumps(row) + "\n" for row in traced))
+    unloaded_ttft = percentile(before + after, 95)
+    rows = [open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft, targets["ttft_target_s"],
+                          targets["stream_tokens_per_s"]) for factor, results in loaded]
+    for row in rows:
+        print("open loop", json.dumps(row), flush=True)
     return dict(capacity_rps=capacity, capacity_measured=measured, unloaded_ttft_p95=unloaded_ttft,
+                unloaded_ttft_p95_before=percentile(before, 95), unloaded_ttft_p95_after=percentile(after, 95),
                 unloaded_speed_p50=percentile([r.tokens_per_s for r in unloaded if r.tokens_per_s], 50), rows=rows)
 
 
@@ -428,7 +436,7 @@ async def fairness(url: str, prompts, seconds: float, share_streams: int = 24) -
         report: dict = {}
 
         # One organization floods, the other sends one short chat at a time.
-        unloaded = await unloaded_ttft_p95(session, url, b_key, short, "B")
+        before = await unloaded_first_tokens(session, url, b_key, short, "B")
         flood_results: list[Result] = []
         until = time.monotonic() + seconds
         flooding = asyncio.create_task(flood(session, url, prompts, [(a_key, "A", flood_results)], 24, until))
@@ -437,10 +445,12 @@ async def fairness(url: str, prompts, seconds: float, share_streams: int = 24) -
         while time.monotonic() < until:
             polite.append(await stream_once(session, url, b_key, MODEL, *short[len(polite) % len(short)], "B"))
         await flooding
-        loaded = percentile([r.ttft_s for r in polite if r.ttft_s], 95)
+        after = await unloaded_first_tokens(session, url, b_key, short, "B")
+        unloaded, loaded = percentile(before + after, 95), percentile([r.ttft_s for r in polite if r.ttft_s], 95)
         report["flood_vs_one_at_a_time"] = dict(
             b_requests=len(polite), b_refused=sum(r.status == 429 for r in polite),
             b_errors=sum(r.status not in (200, 429) for r in polite), b_unloaded_ttft_p95=unloaded,
+            b_unloaded_ttft_p95_before=percentile(before, 95), b_unloaded_ttft_p95_after=percentile(after, 95),
             b_ttft_p50=percentile([r.ttft_s for r in polite if r.ttft_s], 50),
             b_ttft_p95=loaded, b_ttft_ratio=loaded / unloaded if unloaded else None,
             a_requests=len(flood_results), a_refused=sum(r.status == 429 for r in flood_results))
@@ -501,6 +511,14 @@ def _f(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _before_after(row: dict, key: str) -> str:
+    """How an unloaded reference was taken, where it was pooled from passes before and after the load."""
+    if f"{key}_before" not in row:
+        return ""
+    return (f" (the mix sent one at a time before and after the loaded phase, pooled; each pass alone "
+            f"{_f(row[key + '_before'])} and {_f(row[key + '_after'])} s)")
+
+
 def render(d: dict) -> str:
     """docs/perf/load.md from the figures."""
     t, dtypes = d.get("targets", {}), d.get("dtypes", {})
@@ -527,7 +545,8 @@ def render(d: dict) -> str:
             peer = hf.get(dtypes.get(b["model"]), {})
             vs_hf = _f(b["tps"] / peer["tps"]) + f"x ({dtypes[b['model']]})" if peer.get("tps") else "-"
             vs_ll = _f(b["tps"] / llama["tps"]) + "x" if llama and llama.get("tps") else "-"
-            lines.append(f"| {b['model']} | {b['served']}/{b['requests']} | {b['refused']} | {_f(b['tps'], 1)} | "
+            model = f"{b['model']} (again, warm)" if b.get("warm") else b["model"]
+            lines.append(f"| {model} | {b['served']}/{b['requests']} | {b['refused']} | {_f(b['tps'], 1)} | "
                          f"{_f(b['ttft_p50'])} | {_f(b['ttft_p95'])} | {vs_hf} | {vs_ll} |")
         for dtype, run in sorted(hf.items()):
             lines.append(f"| transformers in {dtype}, static batches of 8 | | | {_f(run['tps'], 1)} | | | | |")
@@ -540,7 +559,8 @@ def render(d: dict) -> str:
         for b in burst:
             if "answered_429" in b:
                 limit = b.get("gateway", {}).get("limit", {})
-                lines.append(f"- {b['model']}: {b['answered_429']} answers 429 on the way (Retry-After p50 "
+                model = f"{b['model']} (again, warm)" if b.get("warm") else b["model"]
+                lines.append(f"- {model}: {b['answered_429']} answers 429 on the way (Retry-After p50 "
                              f"{_f(b['retry_after_p50'], 1)} s); {b['queued']} requests queued, waiting "
                              f"{_f(b['wait_mean_s'], 1)} s on average; {b.get('estimated', 'those')} with an estimate "
                              f"when queued, {_f(b['estimate_mean_s'], 1)} s on average (none before a stream has ended "
@@ -555,7 +575,7 @@ def render(d: dict) -> str:
                f"{_f(m['mean_answer_tokens'], 1)} tokens ({m['refused']} refusals on the way)") if m else "given (--capacity)"
         lines += ["## Open loop: Poisson arrivals at multiples of the pool's capacity", "",
                   f"Capacity {_f(loop['capacity_rps'], 3)} requests/s, {how}; unloaded TTFT p95 "
-                  f"{_f(loop['unloaded_ttft_p95'])} s, per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
+                  f"{_f(loop['unloaded_ttft_p95'])} s{_before_after(loop, 'unloaded_ttft_p95')}, per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
                   "| load | req/s | offered | ok | 429 | errors | TTFT p95 (s) | TTFT p95 / unloaded | speed p5 | "
                   "goodput (tok/s) | goodput at the TTFT target (tok/s) | 429 p50 / p95 (ms) | 429 within 100 ms | "
                   "429 with Retry-After |",
@@ -584,7 +604,8 @@ def render(d: dict) -> str:
                   f"{f1['a_refused']} refused), a second sending one short chat at a time: {f1['b_requests']} "
                   f"requests, {f1['b_refused']} refused, {f1['b_errors']} errors; its TTFT p50 "
                   f"{_f(f1.get('b_ttft_p50'))} s, p95 {_f(f1['b_ttft_p95'])} s "
-                  f"against {_f(f1['b_unloaded_ttft_p95'])} s unloaded = {_f(f1['b_ttft_ratio'])}x."]
+                  f"against {_f(f1['b_unloaded_ttft_p95'])} s unloaded"
+                  f"{_before_after(f1, 'b_unloaded_ttft_p95')} = {_f(f1['b_ttft_ratio'])}x."]
         for label, want in (("equal_weights", 1.0), ("weights_2_to_1", 2.0)):
             r = fair.get(label)
             if not r:
@@ -706,7 +727,9 @@ def main() -> None:
         proc, url = (None, args.url) if args.url or not needs_platform else start_make_run(Path(tmp), args.port_base)
         try:
             if "burst" in parts:
-                data["burst"] = [asyncio.run(burst(url, args.key, m, prompts)) for m in (MODEL, INT8_MODEL)]
+                # The default pool twice: cold, then warm (its load reports and measured holds in place).
+                data["burst"] = [asyncio.run(burst(url, args.key, m, prompts)) for m in (MODEL, MODEL, INT8_MODEL)]
+                data["burst"][1]["warm"] = True
                 for row in data["burst"]:
                     print("burst", json.dumps(row), flush=True)
             if "poisson" in parts:

@@ -18,7 +18,7 @@ from llmserve.v1 import worker_pb2_grpc
 from services.gateway.admission.estimator import CAPACITY_WINDOW_S, PoolEstimator, StepLine
 from services.gateway.config import GatewayConfig, OverloadConfig, validate
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.overload import OverloadGuard, Overloaded
+from services.gateway.overload import BURST_WINDOW_S, OverloadGuard, Overloaded
 from services.gateway.pool_watch import PoolWatch
 from tests.gateway.admission_helpers import VirtualClock
 from tests.gateway.harness import GatewayHarness
@@ -145,8 +145,9 @@ async def test_a_waiter_held_by_prompts_on_their_way_is_admitted_at_their_first_
 async def test_arrivals_clumped_below_capacity_wait_the_target_for_the_prompts_ahead_and_no_queue_stands(
         after_overload):
     """Three prompts of 500 tokens on their way (0.9 s of prefill) hold a fourth back with slots
-    free: it waits up to the 1 s target, not what the target leaves past the measured 0.7 s to a
-    first token (0.3 s), and the queue does not stand. So too in the queue_timeout_s that a queue
+    free: past the queue's first half second (the long bound, see
+    test_held_by_the_queued_prompts_...), a newcomer waits up to the 1 s target, not what the target
+    leaves past the measured 0.7 s to a first token (0.3 s), and the queue does not stand. So too in the queue_timeout_s that a queue
     which stood under an overload lasts past its last refusal."""
     clock = VirtualClock()
     g = OverloadGuard(OverloadConfig(ttft_target_s=1.0, queue_timeout_s=30.0), GatewayMetrics(), clock=clock)
@@ -168,8 +169,10 @@ async def test_arrivals_clumped_below_capacity_wait_the_target_for_the_prompts_a
         gate = g._gate("m")
         assert not fourth.done() and gate.in_flight == 3 < gate.limit
         [waiter] = gate.queue.ordered()
-        assert waiter.deadline - waiter.queued_at == 1.0 and gate.standing == after_overload
+        young = 30.0 if not after_overload else 1.0      # a queue under BURST_WINDOW_S old is not judged yet
+        assert waiter.deadline - waiter.queued_at == young and gate.standing == after_overload
         clock.t += 0.5
+        assert g.wait_bound_s("m") == 1.0                  # the next newcomer's
         g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, prefill=3000.0, budget=512)]})   # renews the estimates
         await asyncio.sleep(0.01)
         assert not fourth.done()                           # the short bound had refused it by now
@@ -318,45 +321,75 @@ async def test_a_deep_prefill_queue_holds_requests_back_until_it_drains():
     assert g.metrics.decisions.labels(model="m", organization="", decision="queued")._value.get() == 1
 
 
+def held_guard(clock: VirtualClock, queued: int, ttft_target_s: float = 2.0) -> OverloadGuard:
+    """A pool of one worker with `queued` prompt tokens waiting, draining 1000 a second, 512 a step."""
+    g = OverloadGuard(OverloadConfig(max_in_flight_per_model=64, max_queued_per_model=64, queue_timeout_s=30.0,
+                                     ttft_target_s=ttft_target_s), GatewayMetrics(), clock=clock)
+    g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=queued, budget=512)]})
+    assert g.limit("m") == 40
+    return g
+
+
 async def test_held_by_the_queued_prompts_a_newcomer_waits_the_target_and_a_bursts_waiters_the_long_bound():
-    """A deep prompt queue in the pool (3 s of prompts) holds newcomers back. One that comes alone,
-    with slots free and no arrivals outpacing them, waits the 2 s target, and the queue does not
-    stand. Of 16 arriving at once (a burst from the 10th on: a quarter of the limit of 40), those
-    before the burst's detection outpace the slots freed: the queue stands and they wait the short
-    bound (the target, nothing measured yet); the waiters past the detection wait the long bound, the
-    queue stands no more, and the next report admits them all: a burst's waiters are past the target
-    already, and only the slots hold them back."""
+    """A deep prompt queue in the pool holds newcomers back. A queue under half a second old is not
+    yet judged a burst's or not: its first waiter waits the long bound. One that comes later, with
+    slots free and no arrivals outpacing them, waits the 2 s target, and the queue does not stand. Of
+    16 arriving at once (a burst from the 10th on: a quarter of the limit of 40), every waiter waits
+    the long bound, the queue does not stand, and the next report admits them all: a burst's waiters
+    are past the target already, and only the slots hold them back."""
     clock = VirtualClock()
-
-    def held_guard() -> OverloadGuard:
-        g = OverloadGuard(OverloadConfig(max_in_flight_per_model=64, max_queued_per_model=64, queue_timeout_s=30.0,
-                                         ttft_target_s=2.0), GatewayMetrics(), clock=clock)
-        g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=3000, budget=512)]})
-        assert g.limit("m") == 40
-        return g
-
-    g = held_guard()
+    g = held_guard(clock, queued=2000)
     async with g.admit("m", prompt_tokens=100):                     # alone in flight: admitted
         clock.t += 1
-        alone = asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__())
+        waiters = [asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__())]
         await asyncio.sleep(0)
-        [waiter] = g._gate("m").queue.ordered()
-        assert waiter.deadline - waiter.queued_at == 2.0 and not g._gate("m").standing
-        alone.cancel()
-        await asyncio.gather(alone, return_exceptions=True)
+        clock.t += BURST_WINDOW_S
+        waiters.append(asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__()))
+        await asyncio.sleep(0)
+        assert [w.deadline - w.queued_at for w in g._gate("m").queue.ordered()] == [30.0, 2.0]
+        assert not g._gate("m").standing
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
 
     clock.t += 100
-    g = held_guard()
+    g = held_guard(clock, queued=3000)
     burst = [asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__()) for _ in range(16)]
     await asyncio.sleep(0)
-    bounds = [w.deadline - w.queued_at for w in g._gate("m").queue.ordered()]
-    assert len(bounds) == 15 and bounds[:8] == [2.0] * 8 and bounds[8:] == [30.0] * 7
+    assert [w.deadline - w.queued_at for w in g._gate("m").queue.ordered()] == [30.0] * 15
     assert not g._gate("m").standing
     g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=3000, budget=512)]})
     await asyncio.wait_for(asyncio.gather(*burst), 1)     # every one admitted: only the slots hold a burst back
     for task in burst:
         task.cancel()
     await asyncio.gather(*burst, return_exceptions=True)
+
+
+async def test_a_newcomer_the_prompts_ahead_hold_past_its_bound_is_refused_at_once_as_are_a_new_loads_first_waiters():
+    """1600 prompt tokens queued in the pool hold a newcomer past its 1 s bound, half a second after
+    3 others queued: the queue, judged new load then (arrivals outpace the slots freed, and no
+    burst), stands, and the newcomer is refused at once with a Retry-After, not when its bound runs
+    out. Its wait counts each step's decodes beside the chunks, its own prefill and a step (1.2 s);
+    the queued prompts alone at the pure rate said 0.6 s, and it was queued. The three took the long
+    bound while the queue was young; held to the short one from when they joined, they are refused
+    first."""
+    clock = VirtualClock()
+    g = held_guard(clock, queued=1500, ttft_target_s=1.0)
+    start = clock.t
+    async with g.admit("m", prompt_tokens=100):
+        young = [asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__()) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert [w.deadline - w.queued_at for w in g._gate("m").queue.ordered()] == [30.0] * 3
+        clock.t += BURST_WINDOW_S
+        with pytest.raises(Overloaded) as refused:
+            await asyncio.wait_for(g.admit("m", prompt_tokens=100).__aenter__(), 1)
+        assert clock.t - start == BURST_WINDOW_S and g._gate("m").standing
+        assert "estimated wait 1.2s" in refused.value.message, refused.value.message
+        assert int(refused.value.headers["retry-after-ms"]) == pytest.approx(1000, abs=100)
+        for task in young:
+            with pytest.raises(Overloaded, match="estimated wait"):
+                await asyncio.wait_for(task, 1)
+        assert not len(g._gate("m").queue)
 
 
 async def test_fair_order_between_organizations_and_priority_classes():
@@ -488,11 +521,19 @@ async def test_the_estimate_meets_the_measured_first_token_in_the_metrics():
     assert ratio._sum.get() > 0 and sum(b.get() for b in ratio._buckets) == 1
 
 
-async def test_the_wait_estimate_counts_the_prompts_queued_past_the_ttft_target():
-    g = guard(ttft_target_s=1.0, max_in_flight_per_model=4)
-    g.set_pool({"m": [report()]})
-    async with g.admit("m"):
-        await asyncio.sleep(0.1)                                  # one stream held its slot 0.1 s
-    g.set_pool({"m": [report(queued=5000)]})                      # 5 s of prompts at 1000 tokens/s
-    turn = 0.1 / g.limit("m")
-    assert g.estimated_wait_s("m", 0) == pytest.approx(turn + 4.0, abs=0.05)
+async def test_the_wait_estimate_counts_the_prompts_queued_and_those_of_the_waiters_ahead_past_the_ttft_target():
+    """5 s of prompts queued in the pool (1000 tokens/s): an organization streaming already waits
+    until its first token would come within the 1 s target, 4 s, plus 1 s for a waiter's 1000
+    tokens ahead of it; one with nothing in flight takes a spare slot, whatever the prompts."""
+    g = guard(ttft_target_s=1.0, max_in_flight_per_model=4, queue_timeout_s=30.0)
+    g.set_pool({"m": [report(queued=5000)]})
+    step = 0.010 + 0.002 * 2                                     # beside the stream in flight
+    async with g.admit("m", org="A"):                            # alone in flight: admitted
+        assert g.estimated_wait_s("m", 0, "A") == pytest.approx(4.0 + step)
+        ahead = asyncio.create_task(g.admit("m", org="A", prompt_tokens=1000).__aenter__())
+        await asyncio.sleep(0.01)
+        assert not ahead.done()
+        assert g.estimated_wait_s("m", 1, "A", prompt_tokens=100) == pytest.approx(5.0 + 0.1 + step)
+        assert g.estimated_wait_s("m", 1, "B") == 0.0
+        ahead.cancel()
+        await asyncio.gather(ahead, return_exceptions=True)

@@ -19,7 +19,7 @@ import pytest
 
 from services.gateway.config import OverloadConfig
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.overload import OverloadGuard, Overloaded
+from services.gateway.overload import BURST_WINDOW_S, OverloadGuard, Overloaded
 from tests.gateway.admission_helpers import VirtualClock, report
 
 SLOTS = 4
@@ -261,7 +261,7 @@ async def test_newcomers_after_a_burst_that_refused_nobody_wait_the_short_bound_
     await asyncio.gather(*(s.task for s in streams + burst), return_exceptions=True)
 
 
-async def test_a_queue_formed_as_the_pool_filled_over_time_stands_at_once_and_a_bursts_does_not():
+async def test_a_queue_formed_as_the_pool_filled_over_time_stands_once_half_a_second_old_and_a_bursts_does_not():
     clock = VirtualClock()
     g = sustained_guard(clock)                           # burst_arrival_s: 2 s; a burst: 2 arrivals in it
     streams = []
@@ -270,14 +270,19 @@ async def test_a_queue_formed_as_the_pool_filled_over_time_stands_at_once_and_a_
         await asyncio.sleep(0)
         clock.t += 3
     assert g.wait_bound_s("m") == 30.0                   # no queue yet
-    newcomer = Stream(g)                                 # finds the pool full: new load, not a burst
+    newcomer = Stream(g)                                 # finds the pool full: a burst may be starting
+    await asyncio.sleep(0)
+    [waiter] = g._gates["m"].queue.ordered()
+    assert not g._gates["m"].standing and waiter.deadline - waiter.queued_at == 30.0
+    clock.t += BURST_WINDOW_S
+    second = Stream(g)                                   # none came: new load
     await asyncio.sleep(0)
     assert g._gates["m"].standing and g.wait_bound_s("m") == 1.0
-    [waiter] = g._gates["m"].queue.ordered()
-    assert waiter.deadline - waiter.queued_at == 1.0     # the short bound from its first waiter on
-    for s in streams + [newcomer]:
+    waiters = g._gates["m"].queue.ordered()
+    assert [w.deadline - w.queued_at for w in waiters] == [1.0, 1.0]   # the short bound from its first waiter on
+    for s in streams + [newcomer, second]:
         s.task.cancel()
-    await asyncio.gather(*(s.task for s in streams + [newcomer]), return_exceptions=True)
+    await asyncio.gather(*(s.task for s in streams + [newcomer, second]), return_exceptions=True)
 
     clock.t += 100                                       # the same pool filled by a burst
     g = sustained_guard(clock)
