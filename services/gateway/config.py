@@ -79,7 +79,8 @@ class OverloadConfig:
     max_queued_per_model: int = 32
     queue_timeout_s: float = 2.0      # a queued request waiting longer is refused
     # Sooner than queue_timeout_s of contention, a queue counts as standing (the short wait bound)
-    # once, over this window, newcomers keep finding the pool full faster than slots free.
+    # once, over this window, newcomers keep finding the pool full faster than slots free; it stands
+    # until nobody has been refused for this long.
     sustained_window_s: float = 5.0
     # A burst's requests arrive together: a newcomer that finds the pool full later than this after
     # the queue formed is not part of the burst it absorbs, and waits only the short bound (as do

@@ -24,7 +24,7 @@ need a waiter of it: under sustained overload, waiting longer only makes every f
 (Facebook's controlled-delay queues, "Fail at Scale", use the same two bounds). A queue stands once
 every newcomer has had to wait for queue_timeout_s on end, or sooner once arrivals outpace the slots
 freed (sustained_window_s), and then holds those it took under the long bound to the short one too;
-it lasts until nobody has been refused for queue_timeout_s. A burst arrives at once
+it lasts until nobody has been refused for sustained_window_s. A burst arrives at once
 (overload.burst_share of the limit within half a second): a queue that formed without one (arrivals
 filled the pool, or its prompt queue, over time) stands at once, unless only the pool's queued
 prompts hold its newcomers back, with slots free and arrivals not outpacing the slots freed (Poisson
@@ -407,8 +407,8 @@ class OverloadGuard:
         its newcomers back) and arrivals (all of them) not outpacing the slots freed: Poisson
         arrivals that clumped below the pool's capacity, not overload. Its newcomers wait up to the
         first-token target for the prompts ahead, and it does not stand; nor does a standing queue
-        hold them to the short bound, as one lasts queue_timeout_s past its last refusal. Given the short bound (the
-        target less the measured 0.6-0.8 s from admission to first token), bench-load's open loop
+        hold them to the short bound, as one lasts sustained_window_s past its last refusal. Given
+        the short bound (the target less the measured 0.6-0.8 s from admission to first token), bench-load's open loop
         at half its capacity refused 1-9 of 52 across runs, each behind 300-700 prompt tokens of
         this gateway's in prefill, and 5 of 53 in the 30 s after the capacity loop's overload."""
         return (gate.contended_since is not None and gate.in_flight < gate.limit
@@ -453,8 +453,11 @@ class OverloadGuard:
         arrivals, a moment at its onset, have left the window by then, and its clients' retries
         after Retry-After come about as slots free). bench-load's open loop at 4x capacity waited
         out the 30 s of the first rule with every admission's first token late. It stands until
-        nobody has been refused for queue_timeout_s (under the short bound the queue empties
-        between arrivals, so its emptiness does not say the overload is over)."""
+        nobody has been refused for sustained_window_s (under the short bound the queue empties
+        between arrivals, so its emptiness does not say the overload is over). Not queue_timeout_s:
+        its own refusals renewed it, and bench-load's open loop at half capacity, started right
+        after the capacity loop's overload, had a queue standing all its 60 s that refused 6 of 46
+        (a refusal each 2-9 s), where a fresh pool refused none."""
         cfg, now = self._cfg, self.clock()
         contended = None if gate.contended_since is None else now - gate.contended_since
         if contended is not None and (contended >= cfg.queue_timeout_s or (
@@ -462,7 +465,7 @@ class OverloadGuard:
             if not gate.standing:
                 gate.standing = True
                 self._shorten_waits(model, gate)
-        elif gate.standing and now - gate.refused_at >= cfg.queue_timeout_s:
+        elif gate.standing and now - gate.refused_at >= cfg.sustained_window_s:
             gate.standing = False
         return gate.standing
 

@@ -104,8 +104,8 @@ async def test_a_waiter_whose_estimate_moves_past_its_bound_is_refused_then_with
     assert refused.value.headers["Retry-After"] == "60"
 
 
-async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():
-    g = guard(queue_timeout_s=0.2, ttft_target_s=0.05)
+async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target_and_ends_a_window_past_its_last_refusal():
+    g = guard(queue_timeout_s=0.2, ttft_target_s=0.05, sustained_window_s=0.1)
     assert g.wait_bound_s("m") == 0.2
     async with contextlib_stack(g, SLOTS):
         waiter = asyncio.create_task(g.admit("m").__aenter__())      # every slot taken: it waits
@@ -116,9 +116,10 @@ async def test_a_standing_queue_bounds_the_wait_by_the_first_token_target():
         assert g.wait_bound_s("m") == 0.05                           # contended for 0.2 s on end
         assert g.wait_bound_s("m", "light") == 0.2                   # not for one with nothing in flight
     async with g.admit("m"):                                         # a free slot, but a refusal
-        assert g.wait_bound_s("m") == 0.05                           # within the last 0.2 s
-    await asyncio.sleep(0.25)
-    assert g.wait_bound_s("m") == 0.2                                # nobody refused for 0.2 s: over
+        assert g.wait_bound_s("m") == 0.05                           # within the last window (0.1 s)
+    await asyncio.sleep(0.15)
+    async with g.admit("m"):
+        assert g.wait_bound_s("m") == 0.2                            # nobody refused for a window: over
 
 
 async def test_a_standing_queue_leaves_room_for_the_measured_first_token():
