@@ -180,7 +180,8 @@ async def burst(url: str, key: str, model: str, prompts: list[tuple[str, int]], 
     await client.close()
     ok = [r for r in results if r[0] == "ok"]
     tokens = sum(r[2] for r in ok)
-    return dict(model=model, warm=again, requests=len(prompts), served=len(ok), refused=sum(r[0] == "refused" for r in results),
+    return dict(model=model, warm=again, requests=len(prompts), served=len(ok),
+                refused=sum(r[0] == "refused" for r in results),
                 errors=sorted({r[0] for r in results} - {"ok", "refused"}), tokens=tokens, seconds=elapsed,
                 tps=tokens / elapsed, requests_per_s=len(ok) / elapsed,
                 ttft_p50=percentile([r[1] for r in ok if r[1]], 50), ttft_p95=percentile([r[1] for r in ok if r[1]], 95),
@@ -261,7 +262,6 @@ async def unloaded_first_tokens(session, url: str, key: str, prompts, org: str =
     of one tree (12-06)."""
     first = [await stream_once(session, url, key, MODEL, p, 2, org) for p, _ in prompts]
     return [r.ttft_s for r in first if r.ttft_s]
-
 
 
 async def saturated_capacity(session, url: str, key: str, prompts, seconds: float,
@@ -578,7 +578,8 @@ def render(d: dict) -> str:
                f"{_f(m['mean_answer_tokens'], 1)} tokens ({m['refused']} refusals on the way)") if m else "given (--capacity)"
         lines += ["## Open loop: Poisson arrivals at multiples of the pool's capacity", "",
                   f"Capacity {_f(loop['capacity_rps'], 3)} requests/s, {how}; unloaded TTFT p95 "
-                  f"{_f(loop['unloaded_ttft_p95'])} s{_before_after(loop, 'unloaded_ttft_p95')}, per-stream speed p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
+                  f"{_f(loop['unloaded_ttft_p95'])} s{_before_after(loop, 'unloaded_ttft_p95')}, per-stream speed "
+                  f"p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
                   "| load | req/s | offered | ok | 429 | errors | TTFT p95 (s) | TTFT p95 / unloaded | speed p5 | "
                   "goodput (tok/s) | goodput at the TTFT target (tok/s) | 429 p50 / p95 (ms) | 429 within 100 ms | "
                   "429 with Retry-After |",

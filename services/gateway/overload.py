@@ -245,16 +245,16 @@ class OverloadGuard:
         if gate.in_flight == 0 or not self._cfg.follow_pool_load or self._absorbing(gate):
             return True
         estimate = self._estimate(gate, prompt_tokens, gate.in_flight, self._unreported(gate))
-        return estimate is None or self._past_target_s(gate, estimate) <= 0
+        return estimate is None or self._past_target_s(estimate, self._ttft_margin(gate)) <= 0
 
-    def _past_target_s(self, gate: _ModelGate, estimate: Estimate) -> float:
+    def _past_target_s(self, estimate: Estimate, margin: float) -> float:
         """How far past the target a first token is planned: its estimate scaled by the margin
-        (_ttft_margin). A prompt whose own prefill takes half the target or more counts only half: it
-        would never fit beside a queue otherwise, and it keeps the head of the fair order, so the
-        queue drains."""
+        (_ttft_margin, taken once by a caller that plans many: it sorts the recent errors). A prompt
+        whose own prefill takes half the target or more counts only half: it would never fit beside
+        a queue otherwise, and it keeps the head of the fair order, so the queue drains."""
         target = self._cfg.ttft_target_s
         planned = estimate.queue_s + min(estimate.ttft_s - estimate.queue_s, target / 2)
-        return self._ttft_margin(gate) * planned - target
+        return margin * planned - target
 
     @staticmethod
     def _ttft_margin(gate: _ModelGate) -> float:
@@ -326,11 +326,11 @@ class OverloadGuard:
         332 of 346 (p50 2 ms), TTFT p95 1.02 and 0.93 s, goodput 9% and 25% up (same arrivals)."""
         if self._absorbing(gate):
             return [0.0] * len(turn)
-        queued, waits = self._unreported(gate), []
+        queued, waits, margin = self._unreported(gate), [], self._ttft_margin(gate)
         for org, _, prompt_tokens in turn:
             estimate = self._estimate(gate, prompt_tokens, gate.in_flight, queued)
             held = estimate is not None and gate.org_in_flight[org] > 0
-            waits.append(max(0.0, self._past_target_s(gate, estimate)) if held else 0.0)
+            waits.append(max(0.0, self._past_target_s(estimate, margin)) if held else 0.0)
             queued += prompt_tokens
         return waits
 
@@ -408,9 +408,10 @@ class OverloadGuard:
         arrivals that clumped below the pool's capacity, not overload. Its newcomers wait up to the
         first-token target for the prompts ahead, and it does not stand; nor does a standing queue
         hold them to the short bound, as one lasts sustained_window_s past its last refusal. Given
-        the short bound (the target less the measured 0.6-0.8 s from admission to first token), bench-load's open loop
-        at half its capacity refused 1-9 of 52 across runs, each behind 300-700 prompt tokens of
-        this gateway's in prefill, and 5 of 53 in the 30 s after the capacity loop's overload."""
+        the short bound (the target less the measured 0.6-0.8 s from admission to first token),
+        bench-load's open loop at half its capacity refused 1-9 of 52 across runs, each behind
+        300-700 prompt tokens of this gateway's in prefill, and 5 of 53 in the 30 s after the
+        capacity loop's overload."""
         return (gate.contended_since is not None and gate.in_flight < gate.limit
                 and not self._burst_queue(gate) and not self._outpaced(gate, self.clock(), gate.arrived))
 
