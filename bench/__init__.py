@@ -1,6 +1,7 @@
-"""Benchmarks (make bench-*). Like the worker, they run torch with passive OpenMP waiting, so a
-second process on the same cores does not turn every parallel op into a long stall."""
+"""Benchmarks (make bench-*). Like the worker, they run torch with OpenMP's short spin
+(services/worker/openmp.py), so a second process on the same cores does not turn every parallel
+op into a long stall."""
 
-import os
+from services.worker.openmp import set_wait_policy
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+set_wait_policy()

@@ -3,9 +3,11 @@ chosen before any kernel module is imported."""
 
 import os
 
-# Tests run beside worker processes on 2 cores: spinning OpenMP threads would starve each other
-# (see services/worker/__main__.py). Set before torch loads OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from services.worker.openmp import set_wait_policy
+
+# Tests run beside worker processes on 2 cores: OpenMP threads spinning long would starve each
+# other (services/worker/openmp.py). Set before torch loads OpenMP.
+set_wait_policy()
 
 import torch  # noqa: E402
 

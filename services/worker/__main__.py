@@ -9,13 +9,9 @@ thread of this process.
 
 from __future__ import annotations
 
-import os
+from services.worker.openmp import set_wait_policy
 
-# OpenMP's default spin-wait turns every parallel torch op into a wait for a descheduled thread
-# when the cores are shared (several workers, a router, a gateway on one machine): measured here,
-# 1 token/s instead of 17. Passive waiting costs little when the cores are free. It must be set
-# before torch loads OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+set_wait_policy()   # before torch loads OpenMP
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

@@ -26,6 +26,9 @@ class ModelSourceConfig:
     quantization: str = "none"        # none | int8 (CPU, float32: int8 weights, a quarter of the bytes)
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     seed: int = 0
+    # CPU, unquantized: linear weights reordered once, at load, into oneDNN's layout, not on every
+    # product (services/worker/model/packed_linear.py: a decode step's products took twice as long).
+    pack_weights: bool = True
 
 
 @dataclass

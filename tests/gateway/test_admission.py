@@ -248,8 +248,10 @@ def real_worker(tmp_path_factory):
 
 def test_the_estimate_from_a_real_workers_reports_matches_its_streams(real_worker):
     """Streams of 32 tokens at batch 1 and at batch 4: the estimated per-stream speed for the next
-    batch is within a factor of three of what the streams measured (a shared 2-core machine), and the pool's capacity at a
-    speed between the two lies between 1 and 4 streams' worth."""
+    batch is within a factor of three of what the streams measured (a shared 2-core machine), and at
+    half the speed 4 streams measured the pool runs at least those 4. (A speed between the two
+    measured says little about capacity since a CPU step of 4 costs about what a step of 1 does:
+    19.5 and 21.8 tokens/s a stream on 12-07.)"""
     pool = PoolEstimator()
     measured = {}
     for batch in (1, 4):
@@ -275,8 +277,7 @@ def test_the_estimate_from_a_real_workers_reports_matches_its_streams(real_worke
         estimate = pool.estimate(prompt_tokens=10, streams=batch - 1)
         assert speed / 3 < estimate.tokens_per_s < speed * 3, (measured, estimate, pool.line)
         assert 0 < estimate.ttft_s < 5
-    between = (measured[1] + measured[4]) / 2
-    assert 1 <= pool.capacity(between) <= 4 * 2, (measured, pool.line)
+    assert pool.capacity(measured[4] / 2) >= 4, (measured, pool.line)
 
 
 # -- the controller --------------------------------------------------------------------------

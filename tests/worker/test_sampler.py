@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.worker.engine.sampler import TOP_P_CANDIDATES, Sampler, SamplingRow
+from services.worker.engine.sampler import TOP_P_CANDIDATES, Sampler, SamplingRow, _inverse_cdf
 from services.worker.engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -107,6 +107,17 @@ def test_draws_follow_the_processed_distribution():
     assert counts[probs == 0].sum() == 0
     # Each frequency within 5 standard deviations of its probability.
     assert ((frequencies - probs).abs() <= 5 * (probs * (1 - probs) / draws).sqrt() + 1e-9).all()
+
+
+def test_a_draw_never_lands_on_a_token_of_no_mass_even_at_the_ends_of_the_unit_interval():
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.5, 0.0, 0.0],
+                          [0.0, 0.0, 0.5, 0.0, 0.5, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    uniform = torch.stack([torch.tensor(0.0), below_one, below_one])[:, None]
+    # u = 0 passes the zero-mass tokens before the first with mass; u just below 1 stops at the
+    # last one with mass; a row of no mass stays inside the vocabulary.
+    assert _inverse_cdf(probs, uniform).tolist() == [2, 4, 6]
 
 
 def reference_penalties(logits: list[float], r: SamplingRow) -> list[float]:

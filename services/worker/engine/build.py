@@ -10,6 +10,7 @@ import torch
 from services.worker.attention.backend import select_backend
 from services.worker.config import EngineConfig, ModelSourceConfig
 from services.worker.cpu_features import has_native_bfloat16
+from services.worker.engine.host_allocator import keep_freed_memory
 from services.worker.engine.llm_engine import EngineLimits, LLMEngine
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
@@ -89,14 +90,16 @@ def build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig,
 def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded: LoadedModel | None,
                   draft: LoadedModel | None, parallel: TensorParallelWorkers | None) -> BuiltEngine:
     device = parallel.device if parallel is not None else resolve_device(model_cfg.device)
+    if device.type == "cpu":
+        keep_freed_memory()   # a CPU step's megabyte buffers stay mapped between steps
     dtype = resolve_dtype(model_cfg.dtype, device, model_cfg.quantization)
     kv_dtype = dtype_name(dtype)   # the caches hold the model's dtype
     attention = select_backend(engine_cfg.attention_backend, device)
     tp = parallel.tp if parallel is not None else SINGLE
     if loaded is None:
         loaded = load_model(model_cfg.source, dtype, device, attention, seed=model_cfg.seed,
-                            quantization=model_cfg.quantization, tp=tp)
-    draft = load_draft(engine_cfg, loaded, draft, dtype, device, attention, model_cfg.seed)
+                            quantization=model_cfg.quantization, tp=tp, pack_weights=model_cfg.pack_weights)
+    draft = load_draft(engine_cfg, loaded, draft, dtype, device, attention, model_cfg)
     cfg = loaded.config
     local = kv_shape(cfg, tp)   # this rank's KV heads: the whole model's at size 1
     per_block = kv_bytes_per_token(local, kv_dtype) * engine_cfg.block_size
@@ -151,7 +154,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def load_draft(engine_cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, dtype: torch.dtype,
-               device: torch.device, attention, seed: int) -> LoadedModel | None:
+               device: torch.device, attention, model_cfg: ModelSourceConfig) -> LoadedModel | None:
     """The draft model for speculative_method draft_model (None for ngram), checked against the target."""
     method = engine_cfg.speculative_method
     if method not in SPECULATIVE_METHODS:
@@ -162,7 +165,8 @@ def load_draft(engine_cfg: EngineConfig, target: LoadedModel, draft: LoadedModel
         if not engine_cfg.draft_model:
             raise ValueError("speculative_method draft_model needs engine.draft_model: a .gguf path, "
                              "a Hugging Face folder, 'smollm2' or 'random:<shape>'")
-        draft = load_model(engine_cfg.draft_model, dtype, device, attention, seed=seed)
+        draft = load_model(engine_cfg.draft_model, dtype, device, attention, seed=model_cfg.seed,
+                           pack_weights=model_cfg.pack_weights)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the target's "
                          f"({target.config.vocab_size}): they must share the tokenizer")

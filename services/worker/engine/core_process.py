@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # see services/worker/__main__.py
+from services.worker.openmp import set_wait_policy
+
+set_wait_policy()   # before torch loads OpenMP
 
 import gc  # noqa: E402
 import json  # noqa: E402

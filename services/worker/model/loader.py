@@ -7,6 +7,7 @@ folder, or "random:<shape>" (seeded random weights, SmolLM2's tokenizer).
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +19,12 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.hf_loader import load_hf_folder
 from services.worker.model.decoder import CausalLM
 from services.worker.model.families import build_model
+from services.worker.model.packed_linear import pack_linears
 from services.worker.model.random_weights import init_random, random_config
 from services.worker.model.tokenizer import Tokenizer
 from services.worker.parallel.group import SINGLE, TensorParallel
+
+log = logging.getLogger(__name__)
 
 RANDOM_PREFIX = "random:"
 
@@ -75,9 +79,12 @@ QUANTIZATIONS = ("none", "int8")
 
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-               seed: int = 0, quantization: str = "none", tp: TensorParallel = SINGLE) -> LoadedModel:
+               seed: int = 0, quantization: str = "none", tp: TensorParallel = SINGLE,
+               pack_weights: bool = False) -> LoadedModel:
     """quantization "int8": int8 weights for CPU float32 serving (services/worker/model/int8_linear.py).
-    tp: build and load this rank's shard (checkpoint tensors are cut as they are read)."""
+    tp: build and load this rank's shard (checkpoint tensors are cut as they are read).
+    pack_weights: on a CPU, unquantized linear weights in oneDNN's layout (packed_linear.py); their
+    dense weights are gone then."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     checkpoint = read_checkpoint(source)
@@ -93,4 +100,6 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, attention:
     if quantization == "int8":
         from services.worker.model.int8_linear import quantize_int8
         quantize_int8(model)
+    elif pack_weights and pack_linears(model):
+        log.info("linear weights packed in oneDNN's layout")
     return LoadedModel(config=checkpoint.config, model=model, tokenizer=checkpoint.tokenizer)

@@ -58,7 +58,7 @@ def _serve(spec: RankSpec) -> None:
         torch.cuda.set_device(device)
     tp, store = join_group(spec)
     loaded = load_model(spec.model.source, dtype, device, select_backend(spec.engine.attention_backend, device),
-                        seed=spec.model.seed, tp=tp)
+                        seed=spec.model.seed, tp=tp, pack_weights=spec.model.pack_weights)
     store.set(f"loaded/{tp.rank}", "1")
     num_blocks = int(store.get("num_blocks"))   # waits for rank 0's sizing (the store's timeout)
     c = loaded.config

@@ -22,7 +22,7 @@ import torch
 
 from services.worker.engine.input_batch import InputBatch
 from services.worker.engine.model_runner import Draft, SeqSpan, forward_pass, kv_cache_tensors
-from services.worker.engine.sampler import Sampler, exponential_race
+from services.worker.engine.sampler import Sampler, draw
 from services.worker.engine.scheduler import ScheduledRequest
 
 
@@ -82,7 +82,7 @@ class DraftModelProposer:
             if row.params.greedy:
                 tokens[rid].append(argmax[i])
             else:
-                tokens[rid].append(int(exponential_race(q[i], row.generator or self.sampler.generator)))
+                tokens[rid].append(int(draw(q[i], row.generator or self.sampler.generator)))
                 probs[rid].append(q[i])
 
 

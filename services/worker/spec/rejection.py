@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine.sampler import exponential_race
+from services.worker.engine.sampler import draw
 
 
 def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> list[int]:
@@ -44,7 +44,7 @@ def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor | None, 
     if not all(0 <= t < vocab_size for t in draft_tokens):
         raise ValueError(f"draft tokens must be in [0, {vocab_size})")
     if k == 0:
-        return [int(exponential_race(target_probs[0], generator))]
+        return [int(draw(target_probs[0], generator))]
 
     device = target_probs.device
     drafts = torch.tensor(draft_tokens, device=device)
@@ -53,7 +53,7 @@ def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor | None, 
     u = torch.rand(k, generator=generator, device=device, dtype=p.dtype)
     accepted = int((u * q < p).cumprod(0).sum())   # u < p / q, without dividing by q = 0
     if accepted == k:
-        return draft_tokens + [int(exponential_race(target_probs[k], generator))]
+        return draft_tokens + [int(draw(target_probs[k], generator))]
 
     target = target_probs[accepted]
     if draft_probs is not None:
@@ -64,4 +64,4 @@ def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor | None, 
     # Exact arithmetic never rejects when the residual is empty (then p <= q everywhere, so p == q);
     # rounding can, and then p itself is the right distribution.
     residual = torch.where(residual.sum() > 0, residual, target)
-    return draft_tokens[:accepted] + [int(exponential_race(residual, generator))]
+    return draft_tokens[:accepted] + [int(draw(residual, generator))]
