@@ -247,7 +247,7 @@ def open_loop_row(rate: float, factor: float, results: list[Result], seconds: fl
                 ttft_p95_over_unloaded=ttft_p95 / unloaded_ttft if ttft_p95 and unloaded_ttft else None,
                 speed_p5=percentile([r.tokens_per_s for r in ok if r.tokens_per_s], 5) if ok else None,
                 speed_p50=percentile([r.tokens_per_s for r in ok if r.tokens_per_s], 50) if ok else None,
-                goodput=goodput(2 * unloaded_ttft), goodput_at_target=goodput(ttft_target),
+                goodput=goodput(2 * unloaded_ttft), goodput_at_target=goodput(ttft_target), ttft_target=ttft_target,
                 refusal_p50_ms=1000 * percentile([r.latency_s for r in refused], 50) if refused else None,
                 refusal_p95_ms=1000 * percentile([r.latency_s for r in refused], 95) if refused else None,
                 refused_within_100ms=sum(r.latency_s < 0.1 for r in refused),
@@ -307,7 +307,7 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
             measured = await saturated_capacity(session, url, key, prompts, seconds)
             print("capacity", json.dumps(measured), flush=True)
             capacity = measured["rps"]
-        loaded: list[tuple[float, list[Result]]] = []
+        loaded: list[tuple[float, list[Result], float]] = []
         traced: list[dict] = []
         for factor in factors:
             gauges: list[dict] = []   # sampled only for a trace: an untraced run scrapes no /metrics
@@ -316,13 +316,15 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
             if sampler is not None:
                 sampler.cancel()
                 traced += trace_rows(factor, results, gauges)
-            loaded.append((factor, results))
+            # The target admission planned to (one that follows the pool moves with it)
+            target = await model_series(session, url, {"llmserve_gateway_admission_ttft_target_seconds": "s"}, MODEL)
+            loaded.append((factor, results, target.get("s", targets["ttft_target_s"])))
         after = await unloaded_first_tokens(session, url, key, prompts)
         if trace is not None:
             trace.write_text("".join(json.dumps(row) + "\n" for row in traced))
     unloaded_ttft = percentile(before + after, 95)
-    rows = [open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft, targets["ttft_target_s"],
-                          targets["stream_tokens_per_s"]) for factor, results in loaded]
+    rows = [open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft, target,
+                          targets["stream_tokens_per_s"]) for factor, results, target in loaded]
     for row in rows:
         print("open loop", json.dumps(row), flush=True)
     return dict(capacity_rps=capacity, capacity_measured=measured, unloaded_ttft_p95=unloaded_ttft,
@@ -514,6 +516,14 @@ def _f(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _target(t: dict) -> str:
+    """The first-token target as the gateway was configured."""
+    if t.get("ttft_target_over_unloaded"):
+        return (f"{t['ttft_target_over_unloaded']}x the pool's unloaded first token, "
+                f"{t.get('ttft_target_s')} s until measured")
+    return f"{t.get('ttft_target_s')} s"
+
+
 def _before_after(row: dict, key: str) -> str:
     """How an unloaded reference was taken, where it was pooled from passes before and after the load."""
     if f"{key}_before" not in row:
@@ -530,7 +540,7 @@ def render(d: dict) -> str:
              f"{d.get('peers_started', 'not run')}. `make run` as it ships: the default worker on every core in "
              f"{dtypes.get(MODEL, 'float32')} (its dtype auto on this CPU), the "
              f"int8 pool on one thread, the gateway admitting from the workers' reports with the CPU targets "
-             f"(first token {t.get('ttft_target_s')} s, {t.get('stream_tokens_per_s')} tokens/s per stream, queue "
+             f"(first token {_target(t)}, {t.get('stream_tokens_per_s')} tokens/s per stream, queue "
              f"wait at most {t.get('queue_timeout_s')} s). Mixed chat: prompts of 20-400 tokens, answers of 16-160 "
              "(end-of-sequence banned, so each answer has its length), greedy, streamed. A shared 2-core VM: "
              "absolute figures move with what else runs; compare the ratios of one run.", ""]
@@ -593,7 +603,8 @@ def render(d: dict) -> str:
                          f"{r['refusals_with_retry_after']} |")
         lines += ["", f"Goodput: tokens/s of the requests with a first token within 2x the unloaded TTFT p95 "
                       f"(the bound TTFT p95 is held to) and the speed target; at the TTFT target: within "
-                      f"{_f(t.get('ttft_target_s'), 1)} s instead."]
+                      f"the gateway's target at the end of that rate's run instead "
+                      f"({', '.join(_f(r.get('ttft_target', t.get('ttft_target_s'))) for r in loop['rows'])} s)."]
         for key, what in (("goodput", "goodput"), ("goodput_at_target", "goodput at the TTFT target")):
             best = max((r.get(key) or 0 for r in loop["rows"]), default=0)
             for r in loop["rows"]:
@@ -632,7 +643,8 @@ def render(d: dict) -> str:
               "decode-only steps (services/worker/engine/load_stats.py; a prefilling step's time, less the line's "
               "share, gives the prefill rate) and reports the line, its prefill rate, the share of its recent "
               "wall time prompts took and the prompt tokens queued in GetLoad; the router passes the reports "
-              "through ListWorkers. Before a worker's first decode-only step there is no line, and the limit is "
+              "through ListWorkers. A worker runs a few made-up requests through its engine before it serves "
+              "(services/worker/engine/warm_up.py), so its first report has a line; without one the limit is "
               "the configured per-worker fallback.",
               "- The gateway (services/gateway/overload.py, admission/) admits a model's requests while its "
               "streams are fewer than the pool can run at the per-stream target (or, where even one stream misses "
@@ -640,7 +652,10 @@ def render(d: dict) -> str:
               "fit skewed for a few seconds does not move the limit) and its estimated first token (the prompts "
               "queued in the pool, drained beside the streams decoding at the token budget less their decodes a "
               "step, then its own prefill and a step; scaled by the 90th percentile of the last 64 first tokens' "
-              "measured / estimated times, as the target is a p95) is within the TTFT target. The queued prompts "
+              "measured / estimated times, as the target is a p95) is within the TTFT target (overload."
+              "ttft_target_s, or with overload.ttft_target_over_unloaded that multiple of the p95 of the first "
+              "tokens of the last 64 requests admitted to an idle pool, as Envoy's adaptive concurrency targets "
+              "its measured minimum latency times 1 + a buffer). The queued prompts "
               "are the reported ones plus this gateway's admissions since the report or, where more, the prompts of its "
               "admissions still awaiting their first token past the reported ones (requests on their way to "
               "the worker are in no report). In a standing queue the target "
@@ -720,7 +735,8 @@ def main() -> None:
     from services.worker.model.loader import smollm2_tokenizer
 
     overload = next(s.config.overload for s in launcher().plan({}) if isinstance(s.config, GatewayConfig))
-    targets = dict(ttft_target_s=overload.ttft_target_s, stream_tokens_per_s=overload.stream_tokens_per_s,
+    targets = dict(ttft_target_s=overload.ttft_target_s, ttft_target_over_unloaded=overload.ttft_target_over_unloaded,
+                   stream_tokens_per_s=overload.stream_tokens_per_s,
                    queue_timeout_s=overload.queue_timeout_s)
     share_streams = args.share_streams or overload.max_in_flight_per_model
     tokenizer = smollm2_tokenizer()

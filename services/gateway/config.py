@@ -70,6 +70,12 @@ class OverloadConfig:
     # replica counts itself alone.
     follow_pool_load: bool = True
     ttft_target_s: float = 1.0            # the product card: first token within 1 s (short prompts)
+    # > 0: the target follows the pool instead (the latency target of Envoy's adaptive concurrency
+    # filter, its minimum latency x (1 + buffer)): this many times the 95th percentile of the first
+    # tokens of the recent requests admitted to an idle pool (the last 64); ttft_target_s until 16
+    # were measured. A pool on a slow machine is held to what it can do, a fast one to more than the
+    # card's 1 s.
+    ttft_target_over_unloaded: float = 0.0
     stream_tokens_per_s: float = 20.0     # and at least 20 tokens/s per stream
     default_output_tokens: int = 256      # the answer length charged to the fair queue without max_tokens
     max_in_flight_per_worker: int = 0
@@ -156,6 +162,9 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError("overload.workers_poll_s must be > 0")
     if not 0 < overload.ttft_target_s <= 600:
         raise ConfigError(f"overload.ttft_target_s must be in (0, 600] seconds, got {overload.ttft_target_s}")
+    if overload.ttft_target_over_unloaded != 0 and not 1 < overload.ttft_target_over_unloaded <= 100:
+        raise ConfigError(f"overload.ttft_target_over_unloaded must be 0 (off) or in (1, 100] (a target below "
+                          f"the unloaded first token refuses everyone), got {overload.ttft_target_over_unloaded}")
     if not 0 <= overload.stream_tokens_per_s <= 10_000:
         raise ConfigError(f"overload.stream_tokens_per_s must be in [0, 10000] (0: no speed target), "
                           f"got {overload.stream_tokens_per_s}")

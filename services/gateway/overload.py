@@ -8,13 +8,15 @@ max_in_flight_per_worker x the routable workers (0: a fixed max_in_flight_per_mo
 replicas share it: each takes 1/replicas, rounded up, within [min_in_flight_per_model,
 max_in_flight_per_model]. A request is also held back while the prompt tokens queued in the pool
 (reported, plus what this replica admitted since), drained beside the streams decoding, and its own
-prefill would put its first token past overload.ttft_target_s (estimator.py; a long prompt's own
-prefill counts at most half of it; the estimate is scaled by the 90th percentile of the recent first
-tokens' measured / estimated times, as the target is a p95); a request alone in flight is never held
-back. An organization with nothing in flight is not kept waiting behind others' streams: it may take
-one of a few slots past the limit (a quarter of it, at least one), so a light user stays interactive
-during a flood; those are counted apart, so a flood's streams left above a limit that fell do not
-use them up (admission/slot_release.py's `fits`).
+prefill would put its first token past the target (estimator.py; a long prompt's own prefill counts
+at most half of it; the estimate is scaled by the 90th percentile of the recent first tokens'
+measured / estimated times, as the target is a p95); a request alone in flight is never held back.
+The target is overload.ttft_target_s, or, with overload.ttft_target_over_unloaded, that multiple of
+the 95th percentile of the first tokens of the recent requests admitted to an idle pool
+(_note_unloaded). An organization with nothing in flight is not kept waiting behind others' streams:
+it may take one of a few slots past the limit (a quarter of it, at least one), so a light user stays
+interactive during a flood; those are counted apart, so a flood's streams left above a limit that
+fell do not use them up (admission/slot_release.py's `fits`).
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
@@ -97,6 +99,7 @@ class Ticket:
     prompt_tokens: int
     admitted_at: float
     estimate: Estimate | None = None
+    idle: bool = False                # admitted to an idle pool: its first token is an unloaded one
     _guard: "OverloadGuard | None" = None
     _slot: Slot | None = None
 
@@ -108,6 +111,8 @@ class Ticket:
         if not gate.releases.first_token(self._slot, now):   # the slot's hold is its first token, then decode
             return
         gate.first_token_s = _mean(gate.first_token_s, now - self.admitted_at)
+        if self.idle:
+            guard._note_unloaded(self.model, gate, now - self.admitted_at)
         if self.estimate is not None:
             error = (now - self.admitted_at) / max(1e-3, self.estimate.ttft_s)
             guard.metrics.ttft_ratio.labels(model=self.model).observe(error)
@@ -131,7 +136,7 @@ class _ModelGate:
     """Invariant: in_flight counts granted slots, including one granted to a waiter not yet resumed;
     releases holds one Slot for each of them."""
 
-    def __init__(self, limit: int, window_s: float):
+    def __init__(self, limit: int, window_s: float, ttft_target_s: float):
         self.limit = limit
         self.in_flight = 0
         self.queue = FairQueue()
@@ -151,6 +156,8 @@ class _ModelGate:
         self.arrived = _Recent(max(window_s, BURST_WINDOW_S))  # newcomers
         self.burst_at = float("-inf")           # the last arrival that made a burst
         self.ttft_errors: deque[float] = deque(maxlen=TTFT_ERRORS)   # first tokens' measured / estimated times
+        self.unloaded_ttft: deque[float] = deque(maxlen=TTFT_ERRORS)  # first tokens of requests admitted idle
+        self.ttft_target_s = ttft_target_s   # what first tokens are planned to (_note_unloaded)
 
 
 class _Recent:
@@ -223,7 +230,8 @@ class OverloadGuard:
     def _gate(self, model: str) -> _ModelGate:
         gate = self._gates.get(model)
         if gate is None:
-            gate = self._gates[model] = _ModelGate(0, self._cfg.sustained_window_s)
+            gate = self._gates[model] = _ModelGate(0, self._cfg.sustained_window_s, self._cfg.ttft_target_s)
+            self.metrics.ttft_target.labels(model=model).set(gate.ttft_target_s)
             gate.limit = self.limit(model)
             self._metrics.overload_limit.labels(model=model).set(gate.limit)
         return gate
@@ -245,14 +253,15 @@ class OverloadGuard:
         if gate.in_flight == 0 or not self._cfg.follow_pool_load or self._absorbing(gate):
             return True
         estimate = self._estimate(gate, prompt_tokens, gate.in_flight, self._unreported(gate))
-        return estimate is None or self._past_target_s(estimate, self._ttft_margin(gate)) <= 0
+        return estimate is None or self._past_target_s(gate, estimate, self._ttft_margin(gate)) <= 0
 
-    def _past_target_s(self, estimate: Estimate, margin: float) -> float:
+    @staticmethod
+    def _past_target_s(gate: _ModelGate, estimate: Estimate, margin: float) -> float:
         """How far past the target a first token is planned: its estimate scaled by the margin
         (_ttft_margin, taken once by a caller that plans many: it sorts the recent errors). A prompt
         whose own prefill takes half the target or more counts only half: it would never fit beside
         a queue otherwise, and it keeps the head of the fair order, so the queue drains."""
-        target = self._cfg.ttft_target_s
+        target = gate.ttft_target_s
         planned = estimate.queue_s + min(estimate.ttft_s - estimate.queue_s, target / 2)
         return margin * planned - target
 
@@ -330,7 +339,7 @@ class OverloadGuard:
         for org, _, prompt_tokens in turn:
             estimate = self._estimate(gate, prompt_tokens, gate.in_flight, queued)
             held = estimate is not None and gate.org_in_flight[org] > 0
-            waits.append(max(0.0, self._past_target_s(estimate, margin)) if held else 0.0)
+            waits.append(max(0.0, self._past_target_s(gate, estimate, margin)) if held else 0.0)
             queued += prompt_tokens
         return waits
 
@@ -358,7 +367,7 @@ class OverloadGuard:
         if not self._held_short(gate, org) or not standing and self._young(gate):
             return cfg.queue_timeout_s
         if self._clump(gate):
-            return min(cfg.queue_timeout_s, cfg.ttft_target_s)
+            return min(cfg.queue_timeout_s, gate.ttft_target_s)
         if not standing and self._after_burst(gate):
             gate.standing = standing = True         # new load; a burst's waiters keep their bounds
             if not self._burst_queue(gate):
@@ -427,7 +436,7 @@ class OverloadGuard:
         tokens come: capped there too, its open loop at 1x refused 10 of 110 with 16-50 of 64 slots
         in flight (ttft_target_s 0.8 s)."""
         cfg = self._cfg
-        bound = max(0.0, min(cfg.queue_timeout_s, cfg.ttft_target_s - gate.first_token_s))
+        bound = max(0.0, min(cfg.queue_timeout_s, gate.ttft_target_s - gate.first_token_s))
         slots_bind = gate.in_flight >= gate.limit and gate.hold_s and gate.limit
         return min(bound, gate.hold_s / gate.limit) if slots_bind else bound
 
@@ -551,6 +560,7 @@ class OverloadGuard:
         now = self.clock()
         self._arrival(gate, now)
         gate.queue.join(org)
+        idle = not gate.in_flight   # as this replica sees it (the reports lag a poll)
         try:
             if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org, prompt_tokens):
                 if gate.in_flight < gate.limit:
@@ -566,7 +576,7 @@ class OverloadGuard:
         except BaseException:
             gate.queue.leave(org)
             raise
-        ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), _guard=self, _slot=slot)
+        ticket = Ticket(model, org, prompt_tokens, admitted_at=self.clock(), idle=idle, _guard=self, _slot=slot)
         ticket.estimate = self._estimate(gate, prompt_tokens, gate.in_flight - 1, self._unreported(gate, prompt_tokens))
         if ticket.estimate is not None:
             hold = ticket.estimate.ttft_s + answer_tokens / ticket.estimate.tokens_per_s
@@ -588,6 +598,20 @@ class OverloadGuard:
             gate.queue.leave(org)
             in_flight.set(gate.in_flight)
             self._wake(model, gate)
+
+    def _note_unloaded(self, model: str, gate: _ModelGate, ttft_s: float) -> None:
+        """The first token of a request admitted to an idle pool, and the target that follows from
+        the recent ones (overload.ttft_target_over_unloaded). Measured, not estimated: under load a
+        2-core worker's reported prefill rate fell by half and more, and a target from estimates
+        rose with it, to 6 s, where the same pool's idle first tokens took 0.5-2 s. Under
+        sustained load no sample comes, and the target stays what the idle pool showed."""
+        ratio = self._cfg.ttft_target_over_unloaded
+        if not ratio:
+            return
+        gate.unloaded_ttft.append(ttft_s)
+        if len(gate.unloaded_ttft) >= MIN_TTFT_ERRORS:
+            gate.ttft_target_s = ratio * statistics.quantiles(gate.unloaded_ttft, n=20)[-1]
+            self.metrics.ttft_target.labels(model=model).set(gate.ttft_target_s)
 
     async def _queue(self, model: str, gate: _ModelGate, waiter: Waiter) -> Slot:
         """The slot granted to `waiter` once its turn came; raises Overloaded (nothing held)."""

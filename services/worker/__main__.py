@@ -64,6 +64,9 @@ async def start_engine(cfg: WorkerConfig, failed) -> StartedEngine:
                         built.loaded.config.vocab_size,
                         tool_call_format=built.loaded.tokenizer.tool_call_format)
     engine.grammars.warm_up()   # before serving: it holds the GIL for a moment
+    if cfg.engine.warm_up:
+        from services.worker.engine.warm_up import warm_up
+        log.info("engine warmed up in %.1f s", warm_up(engine.core))
     async_engine = AsyncEngine(engine)
     async_engine.start()
     if built.parallel is not None:   # a rank died: the engine cannot step, so the worker goes

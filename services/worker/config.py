@@ -82,6 +82,9 @@ class EngineConfig:
     # the other's GIL, and a crashed core is reported, never a hang (engine/core_client.py).
     # false: the engine on a thread of the front end's process (engine/async_engine.py).
     engine_process: bool = True
+    # Before serving, a few made-up requests through the engine (engine/warm_up.py): no first-call
+    # costs for the first user, and a measured step line in the first load report.
+    warm_up: bool = True
 
 
 @dataclass

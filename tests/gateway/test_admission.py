@@ -208,6 +208,39 @@ async def test_first_tokens_later_than_estimated_make_admission_plan_with_the_me
     assert await second_prompt_waits(1.5)
 
 
+async def test_the_target_follows_the_pools_unloaded_first_token_where_configured():
+    """ttft_target_over_unloaded 2: after 16 requests admitted one at a time got first tokens in 0.2 s,
+    the target is 0.4 s. A prompt of 100 behind 300 queued in the pool and 100 on its way (planned
+    about 0.7 s) waits where the configured 1 s would admit it, and its first token, admitted beside
+    another, is no unloaded one. Idle first tokens twice as slow double the target."""
+    async def target_after(idle_ttft: float, ratio: float) -> tuple[float, bool]:
+        clock = VirtualClock()
+        g = OverloadGuard(OverloadConfig(ttft_target_s=1.0, ttft_target_over_unloaded=ratio, queue_timeout_s=30.0),
+                          GatewayMetrics(), clock=clock)
+        g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, budget=512)]})
+        for _ in range(16):
+            async with g.admit("m", prompt_tokens=100) as ticket:
+                clock.t += idle_ttft
+                ticket.first_token()
+            clock.t += 10.0
+        g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, queued=300, budget=512)]})
+        async with g.admit("m", prompt_tokens=100) as ahead:
+            second = asyncio.create_task(g.admit("m", prompt_tokens=100).__aenter__())
+            await asyncio.sleep(0.01)
+            waited = not second.done()
+            clock.t += idle_ttft
+            ahead.first_token()
+            g.set_pool({"m": [report(1, base=0.1, per_seq=0.01, budget=512)]})
+            ticket = await asyncio.wait_for(second, 1)
+            clock.t += 30.0
+            ticket.first_token()
+        return g._gate("m").ttft_target_s, waited
+
+    assert await target_after(0.2, 0.0) == (1.0, False)
+    assert await target_after(0.2, 2.0) == (pytest.approx(0.4), True)
+    assert (await target_after(0.4, 2.0))[0] == pytest.approx(0.8)
+
+
 async def test_a_long_prompt_waits_where_a_short_one_is_admitted():
     """Its own prefill counts: about 1.05 s of queued prompts beside 40 streams, then 0.01 s or 1 s of
     its own and a step of 0.51 s, against a 2 s target."""
@@ -477,7 +510,9 @@ async def test_two_gateways_share_the_measured_budget(redis_prefix):
     ("default_output_tokens", 0, "default_output_tokens"), ("sustained_window_s", 0.0, "sustained_window_s"),
     ("sustained_window_s", 1e4, "sustained_window_s"), ("burst_arrival_s", -1.0, "burst_arrival_s"),
     ("burst_arrival_s", 1e4, "burst_arrival_s"), ("burst_share", -0.1, "burst_share"),
-    ("burst_share", 1.5, "burst_share")])
+    ("burst_share", 1.5, "burst_share"), ("ttft_target_over_unloaded", 0.5, "ttft_target_over_unloaded"),
+    ("ttft_target_over_unloaded", -1.0, "ttft_target_over_unloaded"),
+    ("ttft_target_over_unloaded", 1e3, "ttft_target_over_unloaded")])
 def test_the_config_loader_refuses_targets_out_of_range(field, value, message):
     cfg = GatewayConfig()
     cfg.server.plain_http = True

@@ -53,6 +53,13 @@ def test_the_engine_core_is_a_child_process(running_worker):
     assert core.cmdline()[-3] == "services.worker.engine.core_process"
 
 
+def test_a_fresh_worker_reports_a_measured_step_line(stub):
+    """The warm-up's (engine/warm_up.py): admission knows the pool before its first request."""
+    load = stub.GetLoad(pb.GetLoadRequest())
+    assert load.decode_step_base_s > 0 and load.decode_step_per_seq_s > 0 and load.prefill_tokens_per_s > 0
+    assert (load.running, load.waiting, load.kv_blocks_used, load.prefix_cache_queries) == (0, 0, 0, 0)
+
+
 def test_streams_the_in_process_engines_greedy_tokens(stub, reference):
     ids, ref = reference
     responses = list(stub.Generate(by_ids(ids, 24, ignore_eos=True), timeout=120))

@@ -26,3 +26,6 @@ class AdmissionMetrics:
                                     registry=r)
         self.stream_speed_estimate = Gauge("llmserve_gateway_admission_stream_tokens_per_second_estimate",
                                            "Estimated per-stream speed with one more stream", ["model"], registry=r)
+        self.ttft_target = Gauge("llmserve_gateway_admission_ttft_target_seconds", "The first-token target "
+                                 "admission plans to: overload.ttft_target_s, or the multiple of the pool's unloaded "
+                                 "first token (overload.ttft_target_over_unloaded)", ["model"], registry=r)

@@ -165,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     outputs.setsockopt(zmq.LINGER, 2000)   # a last "failed" gets out before exit
     try:
         from services.worker.engine.build import build_engine
+        from services.worker.engine.warm_up import warm_up
         built = build_engine(cfg.model, cfg.engine)
         built.engine.grammars.warm_up()
+        if cfg.engine.warm_up:
+            log.info("engine warmed up in %.1f s", warm_up(built.engine.core))
     except Exception as e:
         log.exception("the engine core could not start")
         outputs.send(msgpack.packb(["failed", f"the engine could not start: {e}"]))
