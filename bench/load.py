@@ -8,7 +8,9 @@ then:
    default retries, to the default model and to the int8 pool. Served, refused, aggregate tokens/s,
    TTFT p95; the same prompts and lengths through transformers' generate in static batches of 8,
    in each pool's dtype (the default pool's `auto` resolved on this CPU; float32 for int8), and
-   through llama-cpp-python's OpenAI server on the same GGUF (bench/engine.py's peers).
+   through llama-cpp-python's OpenAI server on the same GGUF (bench/engine.py's peers). The VM's
+   speed drifts within the run, so the default pool's burst is also measured alternating with
+   transformers, round by round (part `alternating`).
 2. Open loop: Poisson arrivals of the same mix at 0.5x, 1x, 2x and 4x the pool's capacity (the
    requests/s 64 clients sending back to back complete): admitted TTFT p95 against unloaded,
    per-stream speed against the target,
@@ -24,7 +26,7 @@ then:
 Every chat of 2 and 3 is a new one (`new_chat`): only the system prompt is in the prefix cache.
 
     python -m bench.load [--url URL --key KEY] [--port-base 47200] [--seconds 30]
-                         [--llama-python PATH] [--parts burst,poisson,fairness,peers]
+                         [--llama-python PATH] [--parts burst,alternating,poisson,fairness,peers]
                          [--share-streams N]
 
 Writes docs/perf/load.md and docs/perf/load.json. The machine is a shared 2-core VM: absolute
@@ -40,6 +42,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -202,16 +205,38 @@ def pool_dtypes() -> dict[str, str]:
 
 
 def transformers_burst(tokenizer, prompts: list[tuple[str, int]], dtype: str) -> dict:
+    return run_transformers(transformers_model(dtype), transformers_requests(tokenizer, prompts))
+
+
+def transformers_model(dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     from services.worker.model.gguf_loader import smollm2_gguf_path
     path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              torch_dtype=getattr(torch, dtype)).eval()
-    requests = [(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])), m)
-                for p, m in prompts]
-    return run_transformers(hf, requests)
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                torch_dtype=getattr(torch, dtype)).eval()
+
+
+def transformers_requests(tokenizer, prompts: list[tuple[str, int]]) -> list[tuple[list[int], int]]:
+    return [(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])), m)
+            for p, m in prompts]
+
+
+def alternating_burst(url: str, key: str, tokenizer, prompts: list[tuple[str, int]], dtype: str,
+                      rounds: int) -> list[dict]:
+    """The burst's ratio to transformers, round by round: a burst of new chats through `make run`,
+    then transformers on the same prompts in this process (the platform idle meanwhile). The VM's
+    speed drifted 10-25% within an hour, and the peers' part runs after the platform's, 20 minutes
+    and more later: a ratio of two figures taken that far apart moved with the drift."""
+    hf, requests = transformers_model(dtype), transformers_requests(tokenizer, prompts)
+    rows = []
+    for _ in range(rounds):
+        ours = asyncio.run(burst(url, key, MODEL, prompts, again=True))
+        theirs = run_transformers(hf, requests)["tps"]
+        rows.append(dict(tps=ours["tps"], served=ours["served"], transformers_tps=theirs, ratio=ours["tps"] / theirs))
+        print("alternating", json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 # -- 2. open loop ----------------------------------------------------------------------------------
@@ -579,6 +604,15 @@ def render(d: dict) -> str:
                              f"when queued, {_f(b['estimate_mean_s'], 1)} s on average (none before a stream has ended "
                              f"or been estimated); the limit {limit.get('min', 0):.0f}-{limit.get('max', 0):.0f} streams "
                              f"(median {limit.get('median', 0):.0f}).")
+        alternating = d.get("burst_alternating")
+        if alternating:
+            ratios = [r["ratio"] for r in alternating]
+            lines.append(f"- Alternating with transformers in {dtypes.get(MODEL)}, round by round (a burst of new "
+                         f"chats, then transformers on the same prompts, the platform idle meanwhile): "
+                         f"{', '.join(_f(r) + 'x' for r in ratios)}, median **{_f(statistics.median(ratios))}x** "
+                         f"({', '.join(_f(r['tps'], 1) for r in alternating)} against "
+                         f"{', '.join(_f(r['transformers_tps'], 1) for r in alternating)} tokens/s; "
+                         f"{sum(r['served'] for r in alternating)}/{len(alternating) * d.get('requests', 32)} served).")
         lines.append("")
     loop = d.get("open_loop")
     if loop:
@@ -721,7 +755,9 @@ def main() -> None:
     parser.add_argument("--share-streams", type=int, default=0,
                         help="streams per organization in the shares' phases (more than half the pool's limit; "
                              "default: the gateway's max_in_flight_per_model)")
-    parser.add_argument("--parts", default="burst,poisson,fairness,peers")
+    parser.add_argument("--parts", default="burst,alternating,poisson,fairness,peers")
+    parser.add_argument("--alternating-rounds", type=int, default=3,
+                        help="rounds of the burst alternating with transformers (part `alternating`)")
     parser.add_argument("--capacity", type=float, help="the open loop's 1x in requests/s (default: measured by a "
                         "closed loop of 64 clients for --seconds)")
     parser.add_argument("--factors", default="0.5,1,2,4", help="the open loop's rates, as multiples of the capacity")
@@ -745,7 +781,7 @@ def main() -> None:
                       requests=args.requests, seconds=args.seconds, fairness_seconds=args.fairness_seconds)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
-        needs_platform = parts & {"burst", "poisson", "fairness"}
+        needs_platform = parts & {"burst", "alternating", "poisson", "fairness"}
         proc, url = (None, args.url) if args.url or not needs_platform else start_make_run(Path(tmp), args.port_base)
         try:
             if "burst" in parts:
@@ -754,6 +790,9 @@ def main() -> None:
                                  for m, again in ((MODEL, False), (MODEL, True), (INT8_MODEL, False))]
                 for row in data["burst"]:
                     print("burst", json.dumps(row), flush=True)
+            if "alternating" in parts:
+                data["burst_alternating"] = alternating_burst(url, args.key, tokenizer, prompts,
+                                                              data["dtypes"][MODEL], args.alternating_rounds)
             if "poisson" in parts:
                 data["open_loop"] = asyncio.run(open_loop(url, args.key, prompts, args.capacity, args.seconds, targets,
                                                           tuple(float(f) for f in args.factors.split(",")),
