@@ -20,7 +20,7 @@ fell do not use them up (admission/slot_release.py's `fits`).
 
 Who waits goes first by priority class, then organization in weighted fair order by tokens
 (admission/fair_queue.py). A request may wait a bounded time: queue_timeout_s while the pool is
-absorbing a burst, but in a standing queue only what ttft_target_s leaves past the measured time
+absorbing a burst, but in a standing queue only what the target leaves past the measured time
 from admission to first token, if its organization holds slots already and the fair order does not
 need a waiter of it: under sustained overload, waiting longer only makes every first token late
 (Facebook's controlled-delay queues, "Fail at Scale", use the same two bounds). A queue stands once
@@ -30,7 +30,7 @@ it lasts until nobody has been refused for sustained_window_s. A burst arrives a
 (overload.burst_share of the limit within half a second): a queue that formed without one (arrivals
 filled the pool, or its prompt queue, over time) stands at once, unless only the pool's queued
 prompts hold its newcomers back, with slots free and arrivals not outpacing the slots freed (Poisson
-arrivals that clumped below capacity): those wait up to ttft_target_s. A queue is judged a burst's
+arrivals that clumped below capacity): those wait up to the target. A queue is judged a burst's
 or not once it is half a second old; its newcomers until then wait the long bound (unless one
 stands), and the short one from when they joined if it is not. A newcomer that waits over
 burst_arrival_s after a burst's queue formed, when nobody who could wait the long bound was refused
@@ -560,7 +560,7 @@ class OverloadGuard:
         now = self.clock()
         self._arrival(gate, now)
         gate.queue.join(org)
-        idle = not gate.in_flight   # as this replica sees it (the reports lag a poll)
+        idle = self._idle(gate)
         try:
             if (not len(gate.queue) or not gate.org_in_flight[org]) and self._fits(gate, org, prompt_tokens):
                 if gate.in_flight < gate.limit:
@@ -598,6 +598,16 @@ class OverloadGuard:
             gate.queue.leave(org)
             in_flight.set(gate.in_flight)
             self._wake(model, gate)
+
+    def _idle(self, gate: _ModelGate) -> bool:
+        """Nothing in flight here and, where other replicas share the pool, nothing running or
+        waiting in its last report: their streams are in no count of this replica's, and a first
+        token beside them is no unloaded one. Alone, this replica's own count is the fresher (the
+        report lags a poll, and shows the stream that has just ended)."""
+        if gate.in_flight:
+            return False
+        state = gate.pool.state
+        return self._replicas == 1 or not (state.running or state.waiting)
 
     def _note_unloaded(self, model: str, gate: _ModelGate, ttft_s: float) -> None:
         """The first token of a request admitted to an idle pool, and the target that follows from

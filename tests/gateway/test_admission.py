@@ -241,6 +241,26 @@ async def test_the_target_follows_the_pools_unloaded_first_token_where_configure
     assert (await target_after(0.4, 2.0))[0] == pytest.approx(0.8)
 
 
+async def test_beside_other_replicas_only_a_pool_reported_idle_gives_unloaded_first_tokens():
+    """Another replica's streams are in no count of this one's: with the pool reporting 4 running,
+    16 first tokens of 1 s admitted with nothing in flight here leave the target as configured;
+    once it reports none, they set it."""
+    async def target_after(running: int) -> float:
+        clock = VirtualClock()
+        g = OverloadGuard(OverloadConfig(ttft_target_s=1.0, ttft_target_over_unloaded=2.0, queue_timeout_s=30.0),
+                          GatewayMetrics(), clock=clock)
+        g.set_pool({"m": [report(running, base=0.1, per_seq=0.01, budget=512)]}, replicas=2)
+        for _ in range(16):
+            async with g.admit("m", prompt_tokens=100) as ticket:
+                clock.t += 1.0
+                ticket.first_token()
+            clock.t += 10.0
+        return g._gate("m").ttft_target_s
+
+    assert await target_after(4) == 1.0
+    assert await target_after(0) == pytest.approx(2.0)
+
+
 async def test_a_long_prompt_waits_where_a_short_one_is_admitted():
     """Its own prefill counts: about 1.05 s of queued prompts beside 40 streams, then 0.01 s or 1 s of
     its own and a step of 0.51 s, against a 2 s target."""
