@@ -22,9 +22,11 @@ from tests.worker.test_torch_paged_attention import cpu_backend, dense_causal_at
 LONG = [(300, 1), (31, 1), (32, 1), (0, 1), (129, 4), (70, 20)]
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (16, 16, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (16, 16, 64),
+                                                            (6, 2, 72), (4, 4, 5)])
 def test_kernel_matches_dense_attention_at_model_sizes(num_heads, num_kv_heads, head_dim):
-    """SmolLM2's 9/3 x 64, Qwen3's 32/8 x 128, Gemma's head 256 with one KV head, no grouping."""
+    """SmolLM2's 9/3 x 64, Qwen3's 32/8 x 128, Gemma's head 256 with one KV head, no grouping; and
+    heads that are no multiple of the kernel's 16 partial sums (72, 5)."""
     batch = make_batch(LONG, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        block_size=16, shared_blocks=2, seed=head_dim)
     scale = 1 / math.sqrt(head_dim)
@@ -45,6 +47,16 @@ def test_bfloat16_layers_are_attended_in_float32_and_rounded_once(num_heads, num
     short = torch.tensor([r for r in range(out.shape[0]) if r < sum(batch.meta.query_lens_cpu[:-1])])
     torch.testing.assert_close(out[short].double(), exact[short], atol=1e-6, rtol=2 ** -8)   # the kernel's rows
     torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=2e-2)   # the prefill, on the reference
+
+
+def test_scores_far_below_the_maximum_weigh_nothing():
+    """Scores 100 and more below a row's maximum (past the exponential's range, clamped in the
+    kernel without a branch) weigh nothing, and the others still sum to one."""
+    batch = make_batch([(40, 1), (100, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, seed=3)
+    batch.query.mul_(60)   # |scores| in the hundreds: most of a row's e^(s - max) underflow
+    out = cpu_backend().attend(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.25)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), dense_causal_attention(batch, 0.25), atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_nan_in_a_visible_value_stays_in_its_heads():

@@ -26,7 +26,8 @@
  * set flush-to-zero for the whole process). Below -87, 2^-126 or so: nothing beside the 1 of
  * the running maximum. */
 static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+    const float low = (float)(x < -87.0f);   /* a blend, not a branch: the softmax's loop vectorises */
+    x = x * (1.0f - low) - 87.0f * low;
     const int n = (int)(x * 1.44269504089f - 0.5f);          /* round, for x <= 0 */
     const float f = (x - (float)n * 0.693359375f) + (float)n * 2.12194440e-4f;   /* ln 2 in two parts */
     float p = 1.9875691500e-4f;
@@ -38,6 +39,31 @@ static inline float exp_nonpositive(float x) {
     p = p * f * f + f + 1.0f;
     union { int32_t i; float f; } scale = { .i = (n + 127) << 23 };
     return p * scale.f;
+}
+
+/* Sums are taken over LANES partial sums, added as a fixed tree: a reduction's chain of scalar
+ * adds (what `omp simd reduction` compiles to without -ffast-math, which may not reorder) held
+ * the kernel to a fraction of its speed. The order is fixed, so results stay batch-independent. */
+#define LANES 16
+
+static inline float lane_total(const float part[LANES]) {   /* halves added pairwise, unrolled */
+    float eight[8], four[4];
+    for (int i = 0; i < 8; i++)
+        eight[i] = part[i] + part[i + 8];
+    for (int i = 0; i < 4; i++)
+        four[i] = eight[i] + eight[i + 4];
+    return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
+static inline float sum_of(const float *v, int n) {
+    float part[LANES] = {0.0f};
+    int x = 0;
+    for (; x + LANES <= n; x += LANES)
+        for (int i = 0; i < LANES; i++)
+            part[i] += v[x + i];
+    for (int i = 0; x + i < n; i++)
+        part[i] += v[x + i];
+    return lane_total(part);
 }
 
 int llmserve_paged_attention_limits(int group, int head_dim) {

@@ -50,11 +50,14 @@ void ROWS_FUNCTION(
                 }
                 for (int g = 0; g < group; g++) {
                     const float *qg = q + g * head_dim;
-                    float dot = 0.0f;
-                    #pragma omp simd reduction(+:dot)
-                    for (int x = 0; x < head_dim; x++)
-                        dot += qg[x] * LOAD(k[x]);
-                    s[g][j] = dot * scale;
+                    float part[LANES] = {0.0f};
+                    int x = 0;
+                    for (; x + LANES <= head_dim; x += LANES)
+                        for (int i = 0; i < LANES; i++)
+                            part[i] += qg[x + i] * LOAD(k[x + i]);
+                    for (int i = 0; x + i < head_dim; i++)
+                        part[i] += qg[x + i] * LOAD(k[x + i]);
+                    s[g][j] = lane_total(part) * scale;
                 }
             }
             for (int g = 0; g < group; g++) {
@@ -63,13 +66,10 @@ void ROWS_FUNCTION(
                 for (int j = 0; j < n; j++)
                     mx = s[g][j] > mx ? s[g][j] : mx;
                 const float correction = exp_nonpositive(m[g] - mx);   /* 0 on the first chunk (m = -FLT_MAX) */
-                float sum = 0.0f;
-                #pragma omp simd reduction(+:sum)
-                for (int j = 0; j < n; j++) {
+                #pragma omp simd
+                for (int j = 0; j < n; j++)
                     s[g][j] = exp_nonpositive(s[g][j] - mx);
-                    sum += s[g][j];
-                }
-                l[g] = l[g] * correction + sum;
+                l[g] = l[g] * correction + sum_of(s[g], n);
                 m[g] = mx;
                 float *a = acc + g * head_dim;
                 #pragma omp simd
