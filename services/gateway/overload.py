@@ -121,6 +121,11 @@ class Ticket:
         if len(gate.queue):   # its prompt no longer holds the waiters back
             guard._wake(self.model, gate)
 
+    def progress(self, tokens: int) -> None:
+        """The stream has streamed `tokens` so far: when its slot frees is read off its pace."""
+        if self._guard is not None and self._slot is not None:
+            self._guard._gate(self.model).releases.progress(self._slot, tokens, self._guard.clock())
+
 
 def _mean(mean: float, value: float) -> float:
     """The running mean with HOLD_ALPHA on the newest value (mean 0: none yet)."""

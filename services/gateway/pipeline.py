@@ -265,6 +265,8 @@ class Pipeline:
                 self.admission.first_token()
         else:
             series.inter_token.observe(now - outcome.last_token_at)
+        if self.admission is not None:
+            self.admission.progress(max(c.tokens for c in self.completion.choices))   # the budget is per choice
         outcome.last_token_at = now
 
     @property

@@ -260,3 +260,40 @@ async def test_a_short_answers_wait_for_its_first_token_is_not_charged_to_every_
     # Its slot frees 8 s from now (first token + 100 x 0.1 s), not at grant + 100 x 5.3 / 3 s (169 s).
     assert g.estimated_wait_s("m", 0, "A") == pytest.approx(8.0, abs=0.01)
     await long.__aexit__(None, None, None)
+
+
+async def stream(ticket, clock: VirtualClock, tokens: int, s_per_token: float) -> None:
+    """The first token now, then tokens - 1 more at s_per_token each, each reported as streamed."""
+    ticket.first_token()
+    ticket.progress(1)
+    for n in range(2, tokens + 1):
+        clock.t += s_per_token
+        ticket.progress(n)
+
+
+async def test_a_stream_slower_than_the_ended_ones_frees_its_slot_at_its_own_pace_not_any_moment():
+    clock = VirtualClock()
+    g = guard(clock, max_in_flight_per_model=1)
+    async with g.admit("m", org="A", prompt_tokens=50, max_tokens=10) as ticket:   # 0.1 s a token, alone
+        await stream(ticket, clock, 10, 0.1)
+    heavy = g.admit("m", org="A", prompt_tokens=50, max_tokens=100)
+    ticket = await heavy.__aenter__()
+    await stream(ticket, clock, 40, 0.5)   # a heavier batch: 0.5 s a token, 39 x 0.5 s past its first token
+    # From the means it was due 10 s after its first token (100 x 0.1 s), overdue since 9.5 s; its
+    # own pace leaves 60 tokens x 0.5 s.
+    assert g.estimated_wait_s("m", 0, "A") == pytest.approx(30.0, abs=0.01)
+    await heavy.__aexit__(None, None, None)
+
+
+async def test_a_streams_remaining_budget_is_scaled_by_the_share_the_ended_streams_used():
+    clock = VirtualClock()
+    g = guard(clock, max_in_flight_per_model=1)
+    for _ in range(3):                     # answers that stop at 11 of their budget of 20, 0.1 s a token
+        async with g.admit("m", org="A", prompt_tokens=50, max_tokens=20) as ticket:
+            await stream(ticket, clock, 11, 0.1)
+    cm = g.admit("m", org="A", prompt_tokens=50, max_tokens=100)
+    ticket = await cm.__aenter__()
+    await stream(ticket, clock, 11, 0.1)
+    # 89 tokens of budget left at 0.1 s, of which the ended streams used 11 of 20: 4.9 s.
+    assert g.estimated_wait_s("m", 0, "A") == pytest.approx(4.9, abs=0.01)
+    await cm.__aexit__(None, None, None)

@@ -1,13 +1,19 @@
 """When a model's in-flight streams free their slots, so that a waiter's wait is read off them.
 
-Each granted slot remembers when it was granted, when its first token came and its answer budget
-(max_tokens, or the default). A hold is a first token, then a decode: the slot is expected to free
-at its first token (or, before it, at its grant + the measured time to a first token) + its budget
-x the seconds per budgeted token measured after the first token over this model's streams that
-ended here (which counts answers that stop before their budget). Measured apart, a short answer's
-wait for its first token does not make every token of a long one look slow. Before any stream
-ended: the pool's estimate at admission (first token + budget / per-stream speed), or else the
-caller's mean hold. An overdue slot may free any moment (0 s).
+Each granted slot remembers when it was granted, when its first token came, the tokens it has
+streamed and its answer budget (max_tokens, or the default). A hold is a first token, then a
+decode: the slot is expected to free at its first token (or, before it, at its grant + the
+measured time to a first token) + its budget x the seconds per budgeted token measured after the
+first token over this model's streams that ended here (which counts answers that stop before
+their budget). Measured apart, a short answer's wait for its first token does not make every
+token of a long one look slow. Once a stream has streamed a few tokens, its own pace tells the
+rest: what is left of its budget at that pace, scaled by the share of their budgets the ended
+streams used. From the means alone, under a load heavier than the one they were measured at,
+the streams next to end were all overdue (expected to free "any moment" for up to a second), and
+a standing queue's waiters counted on them: bench-load's open loop at 4x capacity refused a
+quarter of its refusals after the whole short bound. Before any stream ended: the pool's estimate
+at admission (first token + budget / per-stream speed), or else the caller's mean hold. An
+overdue slot may free any moment (0 s).
 
 A waiter's wait is a replay of how overload.py's _wake hands out slots, on these expected releases:
 freed slots go to the waiters in the fair queue's order, the head taking one once it fits
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 PER_TOKEN_ALPHA = 0.2    # weight of the newest ended stream in the measured means (per token, first token)
+PACE_TOKENS = 4          # tokens a stream streams before its own pace tells its remaining time
 
 
 def fits(in_flight: int, spare_in_use: int, limit: int, spare: int, org_in_flight: int) -> bool:
@@ -50,6 +57,8 @@ class Slot:
     prompt_tokens: int = 0
     predicted_hold_s: float | None = None   # the pool's estimate at admission (None: none made)
     first_token_at: float | None = None     # when its first token went out (None: not yet, or never)
+    tokens: int = 0                         # streamed so far
+    last_token_at: float = 0.0              # when the last of them went out
 
 
 class SlotReleases:
@@ -59,6 +68,7 @@ class SlotReleases:
         self._slots: set[Slot] = set()
         self.spare_in_use = 0      # slots in flight granted past the limit
         self.s_per_token = 0.0     # measured seconds per budgeted token after the first (0: none ended)
+        self.s_per_streamed = 0.0  # the same per token streamed (0: none ended with a token)
         self.first_token_s = 0.0   # measured seconds from grant to first token (0: none measured)
         self.awaiting_prompt_tokens = 0   # the prompts of the slots whose first token has not come
 
@@ -80,6 +90,10 @@ class SlotReleases:
         self.awaiting_prompt_tokens -= slot.prompt_tokens
         return True
 
+    def progress(self, slot: Slot, tokens: int, now: float) -> None:
+        """The slot's stream has streamed `tokens` by now."""
+        slot.tokens, slot.last_token_at = tokens, now
+
     def free(self, slot: Slot, now: float, measured: bool = True) -> None:
         """The slot's stream ended (measured: its hold teaches the speed; not for a grant handed back unused)."""
         if slot in self._slots:
@@ -94,6 +108,8 @@ class SlotReleases:
             decode_from = slot.first_token_at
             self.first_token_s = _mean(self.first_token_s, max(0.0, slot.first_token_at - slot.granted_at))
         self.s_per_token = _mean(self.s_per_token, max(0.0, now - decode_from) / slot.budget_tokens)
+        if slot.first_token_at is not None and slot.tokens:   # counted as s_per_token is: a full answer used 1
+            self.s_per_streamed = _mean(self.s_per_streamed, max(0.0, now - decode_from) / slot.tokens)
 
     def hold_s(self, budget_tokens: int, predicted_s: float | None, mean_hold_s: float | None) -> float | None:
         """How long a stream of this budget holds its slot from its grant (None: nothing to tell)."""
@@ -103,6 +119,11 @@ class SlotReleases:
 
     def _remaining_s(self, slot: Slot, now: float, mean_hold_s: float | None) -> float | None:
         """How long until a slot in flight frees (0: overdue); None: nothing to tell."""
+        if slot.first_token_at is not None and slot.tokens >= PACE_TOKENS:
+            pace = (slot.last_token_at - slot.first_token_at) / (slot.tokens - 1)
+            used = min(1.0, self.s_per_token / self.s_per_streamed) if self.s_per_streamed else 1.0
+            left = max(0, slot.budget_tokens - slot.tokens) * used * pace
+            return max(0.0, slot.last_token_at + left - now)
         if self.s_per_token and slot.first_token_at is not None:
             return max(0.0, slot.first_token_at + self.s_per_token * slot.budget_tokens - now)
         hold = self.hold_s(slot.budget_tokens, slot.predicted_hold_s, mean_hold_s)
