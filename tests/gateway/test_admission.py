@@ -261,6 +261,28 @@ async def test_beside_other_replicas_only_a_pool_reported_idle_gives_unloaded_fi
     assert await target_after(0) == pytest.approx(2.0)
 
 
+async def test_the_first_of_a_burst_is_no_unloaded_first_token():
+    """Admitted to an idle pool, but others were admitted before its first token came (a burst,
+    prefilled beside it): 16 such first tokens of 1 s leave the target as configured; 16 with
+    nobody admitted beside them set it."""
+    async def target_after(beside: int) -> float:
+        clock = VirtualClock()
+        g = OverloadGuard(OverloadConfig(ttft_target_s=1.0, ttft_target_over_unloaded=2.0, follow_pool_load=False,
+                                         max_in_flight_per_model=64), GatewayMetrics(), clock=clock)
+        for _ in range(16):
+            async with contextlib.AsyncExitStack() as stack:
+                first = await stack.enter_async_context(g.admit("m", prompt_tokens=100))
+                for _ in range(beside):
+                    await stack.enter_async_context(g.admit("m", prompt_tokens=100))
+                clock.t += 1.0
+                first.first_token()
+            clock.t += 10.0
+        return g._gate("m").ttft_target_s
+
+    assert await target_after(3) == 1.0
+    assert await target_after(0) == pytest.approx(2.0)
+
+
 async def test_a_long_prompt_waits_where_a_short_one_is_admitted():
     """Its own prefill counts: about 1.05 s of queued prompts beside 40 streams, then 0.01 s or 1 s of
     its own and a step of 0.51 s, against a 2 s target."""
