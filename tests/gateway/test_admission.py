@@ -241,21 +241,35 @@ async def test_the_target_follows_the_pools_unloaded_first_token_where_configure
     assert (await target_after(0.4, 2.0))[0] == pytest.approx(0.8)
 
 
+def derived_target_guard(clock: VirtualClock, **cfg) -> OverloadGuard:
+    """First tokens planned to twice the pool's unloaded p95 (1 s until measured)."""
+    return OverloadGuard(OverloadConfig(**{"ttft_target_s": 1.0, "ttft_target_over_unloaded": 2.0,
+                                           "queue_timeout_s": 30.0, **cfg}), GatewayMetrics(), clock=clock)
+
+
+async def target_after_first_tokens(g: OverloadGuard, clock: VirtualClock, beside: int = 0) -> float:
+    """The target after 16 requests admitted one at a time, each with `beside` others admitted
+    before its first token, which comes 1 s after its admission."""
+    for _ in range(16):
+        async with contextlib.AsyncExitStack() as stack:
+            first = await stack.enter_async_context(g.admit("m", prompt_tokens=100))
+            for _ in range(beside):
+                await stack.enter_async_context(g.admit("m", prompt_tokens=100))
+            clock.t += 1.0
+            first.first_token()
+        clock.t += 10.0
+    return g._gate("m").ttft_target_s
+
+
 async def test_beside_other_replicas_only_a_pool_reported_idle_gives_unloaded_first_tokens():
     """Another replica's streams are in no count of this one's: with the pool reporting 4 running,
     16 first tokens of 1 s admitted with nothing in flight here leave the target as configured;
     once it reports none, they set it."""
     async def target_after(running: int) -> float:
         clock = VirtualClock()
-        g = OverloadGuard(OverloadConfig(ttft_target_s=1.0, ttft_target_over_unloaded=2.0, queue_timeout_s=30.0),
-                          GatewayMetrics(), clock=clock)
+        g = derived_target_guard(clock)
         g.set_pool({"m": [report(running, base=0.1, per_seq=0.01, budget=512)]}, replicas=2)
-        for _ in range(16):
-            async with g.admit("m", prompt_tokens=100) as ticket:
-                clock.t += 1.0
-                ticket.first_token()
-            clock.t += 10.0
-        return g._gate("m").ttft_target_s
+        return await target_after_first_tokens(g, clock)
 
     assert await target_after(4) == 1.0
     assert await target_after(0) == pytest.approx(2.0)
@@ -267,17 +281,8 @@ async def test_the_first_of_a_burst_is_no_unloaded_first_token():
     nobody admitted beside them set it."""
     async def target_after(beside: int) -> float:
         clock = VirtualClock()
-        g = OverloadGuard(OverloadConfig(ttft_target_s=1.0, ttft_target_over_unloaded=2.0, follow_pool_load=False,
-                                         max_in_flight_per_model=64), GatewayMetrics(), clock=clock)
-        for _ in range(16):
-            async with contextlib.AsyncExitStack() as stack:
-                first = await stack.enter_async_context(g.admit("m", prompt_tokens=100))
-                for _ in range(beside):
-                    await stack.enter_async_context(g.admit("m", prompt_tokens=100))
-                clock.t += 1.0
-                first.first_token()
-            clock.t += 10.0
-        return g._gate("m").ttft_target_s
+        g = derived_target_guard(clock, follow_pool_load=False, max_in_flight_per_model=64)
+        return await target_after_first_tokens(g, clock, beside)
 
     assert await target_after(3) == 1.0
     assert await target_after(0) == pytest.approx(2.0)
