@@ -40,8 +40,9 @@ not the pool's queued prompts. A newcomer whose estimated wait exceeds its bound
 queue full, is refused at once, with a Retry-After for when that wait would be half its bound (at
 most 60 s, the most the openai SDK honours). The wait is read off the streams in flight
 (admission/slot_release.py): each is expected to end at its grant + its answer budget at the
-measured speed, or, once streaming, after what is left of its budget at its own pace, and a waiter whose turn needs n slots freed waits for the n-th end (a replay of
-_wake on those ends), not n x the mean hold / the limit; and until the prompts queued ahead of it,
+measured speed, or, once streaming, after what is left of its budget at its own pace, and a
+waiter whose turn needs n slots freed waits for the n-th end (a replay of _wake on those ends),
+not n x the mean hold / the limit; and until the prompts queued ahead of it,
 the waiters' before it included, let its first token be planned within the target (as admission
 plans it), whichever is later. The estimate of everyone waiting is renewed whenever it can change (a
 slot freed, a new report, a first token of a prompt admitted here, a newcomer placed ahead by the

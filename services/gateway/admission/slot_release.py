@@ -11,9 +11,9 @@ rest: what is left of its budget at that pace, scaled by the share of their budg
 streams used. From the means alone, under a load heavier than the one they were measured at,
 the streams next to end were all overdue (expected to free "any moment" for up to a second), and
 a standing queue's waiters counted on them: of 211 refusals of Poisson arrivals at 8 requests/s
-through `make run`, 27 came after a waiter's whole short bound (7 with this). Before any stream ended: the pool's estimate
-at admission (first token + budget / per-stream speed), or else the caller's mean hold. An
-overdue slot may free any moment (0 s).
+through `make run`, 27 came after a waiter's whole short bound (7 with this). Before any stream
+ended: the pool's estimate at admission (first token + budget / per-stream speed), or else the
+caller's mean hold. An overdue slot may free any moment (0 s).
 
 A waiter's wait is a replay of how overload.py's _wake hands out slots, on these expected releases:
 freed slots go to the waiters in the fair queue's order, the head taking one once it fits

@@ -26,7 +26,7 @@
  * set flush-to-zero for the whole process). Below -87, 2^-126 or so: nothing beside the 1 of
  * the running maximum. */
 static inline float exp_nonpositive(float x) {
-    const float low = (float)(x < -87.0f);   /* a blend, not a branch: the softmax's loop vectorises */
+    const float low = (float)(x < -87.0f);   /* a blend, not a branch, so the softmax's loop vectorises (x finite) */
     x = x * (1.0f - low) - 87.0f * low;
     const int n = (int)(x * 1.44269504089f - 0.5f);          /* round, for x <= 0 */
     const float f = (x - (float)n * 0.693359375f) + (float)n * 2.12194440e-4f;   /* ln 2 in two parts */
