@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.worker.attention.torch_paged import TorchPagedAttention
+from services.worker.cpu_features import cpu_flags
 from services.worker.model.layers import Linear
 from services.worker.model.loader import load_model
 from services.worker.model.packed_linear import PackedLinear, pack_linears
@@ -20,14 +21,29 @@ def _load(dtype: torch.dtype, pack: bool):
     return load_model("random:tiny", dtype, CPU, TorchPagedAttention(), seed=3, pack_weights=pack)
 
 
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU: float32 everywhere; bfloat16 (x86)
+    with AVX-512 BW, VL and DQ or AVX-NE-CONVERT, as its reorder says when it refuses (a Zen 3 VM
+    with AVX2 alone, 12-07)."""
+    flags = set(cpu_flags().partition(b":")[2].split())
+    return dtype == torch.float32 or {b"avx512bw", b"avx512vl", b"avx512dq"} <= flags or b"avx_ne_convert" in flags
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_model_gives_the_plain_ones_logits_without_its_dense_weights(paged_sequence, dtype):
+def test_a_packed_model_gives_the_plain_ones_logits_without_its_dense_weights(paged_sequence, dtype, caplog):
+    """Where oneDNN cannot pack the dtype, the model keeps its linears, says so once, and still
+    gives the plain logits."""
     plain, packed = _load(dtype, False), _load(dtype, True)
     linears = sum(isinstance(m, Linear) for m in plain.model.modules())
     assert linears > 0
-    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == linears
-    assert not any(isinstance(m, Linear) for m in packed.model.modules())
-    assert not any(name.endswith("weight_t") for name, _ in packed.model.named_parameters())
+    if _packs(dtype):
+        assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == linears
+        assert not any(isinstance(m, Linear) for m in packed.model.modules())
+        assert not any(name.endswith("weight_t") for name, _ in packed.model.named_parameters())
+    else:
+        assert not any(isinstance(m, PackedLinear) for m in packed.model.modules())
+        assert sum(isinstance(m, Linear) for m in packed.model.modules()) == linears
+        assert "linear weights stay unpacked" in caplog.text
     # The tied head's embedding stays, and the weights a decode step reads are counted the same.
     assert torch.equal(packed.model.embed_tokens.weight, plain.model.embed_tokens.weight)
     assert packed.model.decode_weight_bytes() == plain.model.decode_weight_bytes()
