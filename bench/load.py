@@ -62,6 +62,10 @@ ADMIN_TOKEN = os.environ.get("LLMSERVE_ADMIN_TOKEN", "admin-local-dev")
 EOS_BAN = {"2": -100}   # SmolLM2's <|im_end|>: answers run to their max_tokens, as the peers' do
 LLAMA_PORT = 10         # the llama-cpp-python server listens on --port-base + this
 CAPACITY_STREAMS = 64   # clients of the capacity loop: the most the gateway admits (max_in_flight_per_model)
+# Each open-loop rate runs --seconds or until this many arrivals are expected, whichever is longer:
+# on a 2-core VM whose pool served 0.66 requests/s, 60 s at half of it brought 22 requests, and
+# their TTFT p95 was the second slowest (12-07, Zen 3 VM).
+MIN_ARRIVALS = 64
 CHAT_NUMBERS = itertools.count(1)
 
 
@@ -275,7 +279,7 @@ def open_loop_row(rate: float, factor: float, results: list[Result], seconds: fl
         return sum(r.tokens for r in good) / seconds
 
     ttft_p95 = percentile([r.ttft_s for r in ok], 95) if ok else None
-    return dict(factor=factor, rate=rate, offered=len(results), ok=len(ok), refused=len(refused),
+    return dict(factor=factor, rate=rate, seconds=seconds, offered=len(results), ok=len(ok), refused=len(refused),
                 errors=len(results) - len(ok) - len(refused),
                 ttft_p50=percentile([r.ttft_s for r in ok], 50) if ok else None, ttft_p95=ttft_p95,
                 ttft_p95_over_unloaded=ttft_p95 / unloaded_ttft if ttft_p95 and unloaded_ttft else None,
@@ -330,7 +334,8 @@ def trace_rows(factor: float, results: list[Result], gauges: list[dict]) -> list
 async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds: float, targets: dict,
                     factors: tuple[float, ...] = (0.5, 1, 2, 4), trace: Path | None = None) -> dict:
     """Poisson arrivals at `factors` x `capacity` (requests/s; None: measured first by
-    saturated_capacity); `trace`: a JSON-lines file of each request and the gateway's gauges."""
+    saturated_capacity), each rate for `seconds` or MIN_ARRIVALS expected arrivals, whichever is
+    longer; `trace`: a JSON-lines file of each request and the gateway's gauges."""
     rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -341,24 +346,25 @@ async def open_loop(url: str, key: str, prompts, capacity: float | None, seconds
             measured = await saturated_capacity(session, url, key, prompts, seconds)
             print("capacity", json.dumps(measured), flush=True)
             capacity = measured["rps"]
-        loaded: list[tuple[float, list[Result], float]] = []
+        loaded: list[tuple[float, list[Result], float, float]] = []
         traced: list[dict] = []
         for factor in factors:
             gauges: list[dict] = []   # sampled only for a trace: an untraced run scrapes no /metrics
             sampler = asyncio.create_task(gateway_gauges(session, url, float("inf"), gauges)) if trace else None
-            results = await poisson(session, url, key, prompts, capacity * factor, seconds, rng)
+            rate_seconds = max(seconds, MIN_ARRIVALS / (capacity * factor))
+            results = await poisson(session, url, key, prompts, capacity * factor, rate_seconds, rng)
             if sampler is not None:
                 sampler.cancel()
                 traced += trace_rows(factor, results, gauges)
             # The target admission planned to (one that follows the pool moves with it)
             target = await model_series(session, url, {"llmserve_gateway_admission_ttft_target_seconds": "s"}, MODEL)
-            loaded.append((factor, results, target.get("s", targets["ttft_target_s"])))
+            loaded.append((factor, results, rate_seconds, target.get("s", targets["ttft_target_s"])))
         after = await unloaded_first_tokens(session, url, key, prompts)
         if trace is not None:
             trace.write_text("".join(json.dumps(row) + "\n" for row in traced))
     unloaded_ttft = percentile(before + after, 95)
-    rows = [open_loop_row(capacity * factor, factor, results, seconds, unloaded_ttft, target,
-                          targets["stream_tokens_per_s"]) for factor, results, target in loaded]
+    rows = [open_loop_row(capacity * factor, factor, results, rate_seconds, unloaded_ttft, target,
+                          targets["stream_tokens_per_s"]) for factor, results, rate_seconds, target in loaded]
     for row in rows:
         print("open loop", json.dumps(row), flush=True)
     return dict(capacity_rps=capacity, capacity_measured=measured, unloaded_ttft_p95=unloaded_ttft,
@@ -633,12 +639,12 @@ def render(d: dict) -> str:
                   f"Capacity {_f(loop['capacity_rps'], 3)} requests/s, {how}; unloaded TTFT p95 "
                   f"{_f(loop['unloaded_ttft_p95'])} s{_before_after(loop, 'unloaded_ttft_p95')}, per-stream speed "
                   f"p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
-                  "| load | req/s | offered | ok | 429 | errors | TTFT p95 (s) | TTFT p95 / unloaded | speed p5 | "
+                  "| load | req/s | offered (in s) | ok | 429 | errors | TTFT p95 (s) | TTFT p95 / unloaded | speed p5 | "
                   "goodput (tok/s) | goodput at the TTFT target (tok/s) | 429 p50 / p95 (ms) | 429 within 100 ms | "
                   "429 with Retry-After |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in loop["rows"]:
-            lines.append(f"| {r['factor']:g}x | {_f(r['rate'], 3)} | {r['offered']} | {r['ok']} | {r['refused']} | "
+            lines.append(f"| {r['factor']:g}x | {_f(r['rate'], 3)} | {r['offered']} ({_f(r.get('seconds'), 0)}) | {r['ok']} | {r['refused']} | "
                          f"{r['errors']} | {_f(r['ttft_p95'])} | {_f(r['ttft_p95_over_unloaded'])} | "
                          f"{_f(r['speed_p5'], 1)} | {_f(r['goodput'], 1)} | {_f(r.get('goodput_at_target'), 1)} | "
                          f"{_f(r.get('refusal_p50_ms'), 0)} / "
@@ -758,7 +764,8 @@ def main() -> None:
     parser.add_argument("--port-base", type=int, default=47200, help="the first of the ports of the `make run` "
                         "this starts (deploy/local/run.py --port-base)")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=60, help="per open-loop rate")
+    parser.add_argument("--seconds", type=float, default=60,
+                        help=f"per open-loop rate (longer where {MIN_ARRIVALS} arrivals take longer)")
     parser.add_argument("--fairness-seconds", type=float, default=240,
                         help="per fairness phase; shares are counted over its last two thirds")
     parser.add_argument("--share-streams", type=int, default=0,
