@@ -111,6 +111,10 @@ def plan(environ: dict[str, str], port_offset: int = 0, var_dir: Path = REPO / "
         worker.server = worker_config.ServerConfig(host=HOST, port=port, metrics_port=metrics_port, name=name)
         worker.model.name, worker.model.dtype, worker.model.quantization = model, dtype, quantization
         worker.engine.num_threads = threads or (os.cpu_count() or 2)
+        # A float32 pool (int8 weights; the default model on a CPU without bfloat16 products) keeps
+        # its KV cache in bfloat16: decode reads half the bytes (the int8 pool's burst 1.12x,
+        # python -m bench.kv_cache_ab) and the pool holds twice the tokens. A bfloat16 model's is so already.
+        worker.engine.kv_cache_dtype = "bfloat16"
         weights = f"dtype {dtype}" if quantization == "none" else quantization
         services.append(grpc_service(name, "services.worker", worker, port, metrics_port, f"{model} ({weights})"))
         pools[model] = router_config.PoolConfig(addresses=[f"{HOST}:{port}"])

@@ -36,6 +36,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 0               # 0: size the pool from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
+    # The KV cache's element type: auto is the model's dtype. bfloat16 under a float32 model (a
+    # CPU without bfloat16 products, int8 weights) halves the bytes a decode step reads from the
+    # cache and doubles the tokens it holds; keys and values are rounded once, when written.
+    kv_cache_dtype: str = "auto"      # auto | float32 | bfloat16 | float16 (no wider than the model's)
     max_num_seqs: int = 64            # running sequences per step
     max_num_batched_tokens: int = 512 # token budget per step (chunked prefill beyond it)
     # A step that decodes takes prompt work beside it only as far as it still ends within this

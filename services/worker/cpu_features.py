@@ -22,7 +22,11 @@ def cpu_flags() -> bytes:
         return b""
 
 
+def flag_set() -> frozenset[bytes]:
+    """The flag line's flags, each a whole word."""
+    return frozenset(cpu_flags().partition(b":")[2].split())
+
+
 def has_native_bfloat16() -> bool:
     """Whether bfloat16 matrix products run in hardware here."""
-    _, _, flags = cpu_flags().partition(b":")
-    return not BFLOAT16_FLAGS.isdisjoint(flags.split())
+    return not BFLOAT16_FLAGS.isdisjoint(flag_set())

@@ -39,8 +39,9 @@ def test_written_configs_load_as_the_services_own(launcher, tmp_path):
     validate(services["gateway"].config)
 
     workers = {s.config.model.name: s for s in services.values() if s.module == "services.worker"}
-    assert {m: (w.config.model.quantization, w.config.engine.num_threads) for m, w in workers.items()} == {
-        "smollm2-135m-instruct": ("none", os.cpu_count() or 2), "smollm2-135m-instruct-int8": ("int8", 1)}
+    assert {m: (w.config.model.quantization, w.config.engine.num_threads, w.config.engine.kv_cache_dtype)
+            for m, w in workers.items()} == {"smollm2-135m-instruct": ("none", os.cpu_count() or 2, "bfloat16"),
+                                             "smollm2-135m-instruct-int8": ("int8", 1, "bfloat16")}
     router = services["router"].config
     assert {m: p.addresses for m, p in router.models.items()} == {m: [w.address] for m, w in workers.items()}
     gateway = services["gateway"].config

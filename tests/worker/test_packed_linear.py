@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.worker.attention.torch_paged import TorchPagedAttention
-from services.worker.cpu_features import cpu_flags
+from services.worker.cpu_features import flag_set
 from services.worker.model.layers import Linear
 from services.worker.model.loader import load_model
 from services.worker.model.packed_linear import PackedLinear, pack_linears
@@ -25,7 +25,7 @@ def _packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs weights of `dtype` on this CPU: float32 everywhere; bfloat16 (x86)
     with AVX-512 BW, VL and DQ or AVX-NE-CONVERT, as its reorder says when it refuses (a Zen 3 VM
     with AVX2 alone, 12-07)."""
-    flags = set(cpu_flags().partition(b":")[2].split())
+    flags = flag_set()
     return dtype == torch.float32 or {b"avx512bw", b"avx512vl", b"avx512dq"} <= flags or b"avx_ne_convert" in flags
 
 

@@ -26,9 +26,10 @@ class TorchPagedAttention:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Rounded to the cache's element type where it is narrower (engine.kv_cache_dtype)."""
         num_blocks, block_size = key_cache.shape[:2]
-        key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slot_mapping] = key
-        value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slot_mapping] = value
+        key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slot_mapping] = key.to(key_cache.dtype)
+        value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slot_mapping] = value.to(value_cache.dtype)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:

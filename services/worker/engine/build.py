@@ -63,6 +63,20 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -
     return DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """engine.kv_cache_dtype: auto is the model's dtype; a named one must be no wider (a wider
+    cache would cost memory and keep no more than the model computed)."""
+    if name == "auto":
+        return model_dtype
+    if name not in DTYPES:
+        raise ValueError(f"unknown engine.kv_cache_dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
+    dtype = DTYPES[name]
+    if dtype.itemsize > model_dtype.itemsize:
+        raise ValueError(f"engine.kv_cache_dtype {name} is wider than the model's {dtype_name(model_dtype)}: "
+                         f"use auto or a narrower type")
+    return dtype
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
@@ -93,7 +107,8 @@ def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded
     if device.type == "cpu":
         keep_freed_memory()   # a CPU step's megabyte buffers stay mapped between steps
     dtype = resolve_dtype(model_cfg.dtype, device, model_cfg.quantization)
-    kv_dtype = dtype_name(dtype)   # the caches hold the model's dtype
+    kv_cache_dtype = resolve_kv_cache_dtype(engine_cfg.kv_cache_dtype, dtype)
+    kv_dtype = dtype_name(kv_cache_dtype)
     attention = select_backend(engine_cfg.attention_backend, device)
     tp = parallel.tp if parallel is not None else SINGLE
     if loaded is None:
@@ -103,8 +118,8 @@ def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded
     cfg = loaded.config
     local = kv_shape(cfg, tp)   # this rank's KV heads: the whole model's at size 1
     per_block = kv_bytes_per_token(local, kv_dtype) * engine_cfg.block_size
-    if draft is not None:   # the draft's cache has as many blocks and shares the memory budget
-        per_block += kv_bytes_per_token(draft.config, kv_dtype) * engine_cfg.block_size
+    if draft is not None:   # the draft's cache (the model's dtype) has as many blocks and shares the budget
+        per_block += kv_bytes_per_token(draft.config, dtype_name(dtype)) * engine_cfg.block_size
     num_blocks = engine_cfg.num_blocks or int(engine_cfg.kv_cache_memory_gb * 2**30 // per_block)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_context_length, cfg.max_context_length,
                         (num_blocks - 1) * engine_cfg.block_size,
@@ -120,7 +135,7 @@ def _build_engine(model_cfg: ModelSourceConfig, engine_cfg: EngineConfig, loaded
         if attention.name == "triton" and parallel is None else 0
     model = loaded.model if parallel is None else parallel.driving(loaded.model)
     runner = ModelRunner(model, cfg.num_layers, local.num_kv_heads, cfg.head_dim, num_blocks,
-                         engine_cfg.block_size, dtype, device, sampler, drafter=drafter,
+                         engine_cfg.block_size, kv_cache_dtype, device, sampler, drafter=drafter,
                          max_model_len=max_model_len, graph_max_batch=graph_max_batch)
     limits = EngineLimits(max_model_len=max_model_len, block_size=engine_cfg.block_size, num_blocks=num_blocks,
                           max_num_seqs=engine_cfg.max_num_seqs,

@@ -131,7 +131,7 @@ def forward_pass(model, kv_caches, spans: list[SeqSpan], block_size: int,
 
 class ModelRunner:
     def __init__(self, model, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, sampler: Sampler,
+                 block_size: int, kv_cache_dtype: torch.dtype, device: torch.device, sampler: Sampler,
                  drafter=None, max_model_len: int = 0, graph_max_batch: int = 0) -> None:
         """drafter: a DraftModelProposer, or None when drafts (if any) come from the n-gram proposer.
         graph_max_batch: decode steps of up to this many rows run through DecodeGraphs (0: never),
@@ -141,7 +141,8 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.drafter = drafter
-        self.kv_caches = kv_cache_tensors(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
+        self.kv_caches = kv_cache_tensors(num_layers, num_kv_heads, head_dim, num_blocks, block_size, kv_cache_dtype,
+                                          device)
         self.batch = InputBatch(block_size)
         self._in_flight: list[PendingStep] = []   # submitted, not collected: at most two
         self.decode_graphs = None

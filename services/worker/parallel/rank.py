@@ -45,7 +45,7 @@ def run_rank(spec: RankSpec) -> None:
 
 
 def _serve(spec: RankSpec) -> None:
-    from services.worker.engine.build import resolve_dtype
+    from services.worker.engine.build import resolve_dtype, resolve_kv_cache_dtype
     from services.worker.engine.model_runner import kv_cache_tensors
     from services.worker.model.loader import load_model
     from services.worker.parallel.driver import join_group
@@ -63,7 +63,8 @@ def _serve(spec: RankSpec) -> None:
     num_blocks = int(store.get("num_blocks"))   # waits for rank 0's sizing (the store's timeout)
     c = loaded.config
     kv_caches = kv_cache_tensors(c.num_layers, local_kv_heads(c.num_kv_heads, tp.size), c.head_dim,
-                                 num_blocks, spec.engine.block_size, dtype, device)
+                                 num_blocks, spec.engine.block_size,
+                                 resolve_kv_cache_dtype(spec.engine.kv_cache_dtype, dtype), device)
     store.set(f"ready/{tp.rank}", "1")
     log.info("rank %d of %d serving its shard of %s on %s (%d KV blocks)", tp.rank, tp.size, c.name, device,
              num_blocks)

@@ -6,7 +6,8 @@ reference gathers every sequence's blocks into a padded copy, zeroes the padding
 over it: on a 2-core CPU at 32 decode rows of ~400 positions that is about 4x the time per layer.
 Longer sequences (prefill chunks) stay on the reference, one SDPA per sequence, which is already
 compute-bound. Where the kernel cannot serve a layer (no compiler, neither float32 nor bfloat16,
-a head layout past its limits) the whole layer takes the reference, with the same results within
+a pair of query and cache types it has no variant for, a head layout past its limits) the whole
+layer takes the reference, with the same results within
 rounding.
 """
 
@@ -19,7 +20,7 @@ from services.worker.attention.cpu import kernel
 from services.worker.attention.metadata import AttentionMetadata, check_window
 from services.worker.attention.torch_paged import MAX_SHORT_QUERY, GroupPlan, TorchPagedAttention, attend_groups
 
-KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}   # kernel.PagedAttentionKernel.SYMBOLS
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 class CpuPagedAttention:
@@ -44,7 +45,7 @@ class CpuPagedAttention:
         if plan.num_rows:
             tables = plan.block_tables
             self.kernel.attend_rows(
-                KERNEL_DTYPES[query.dtype], query.data_ptr(), query.stride(0), out.data_ptr(),
+                kernel_dtypes(query, key_cache), query.data_ptr(), query.stride(0), out.data_ptr(),
                 key_cache.data_ptr(), value_cache.data_ptr(), tables.ctypes.data, tables.shape[1],
                 plan.rows.ctypes.data, plan.seqs.ctypes.data, plan.starts.ctypes.data, plan.ends.ctypes.data,
                 plan.num_rows, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale,
@@ -56,10 +57,16 @@ class CpuPagedAttention:
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = key_cache.shape[2]
         return (self.kernel is not None and query.device.type == "cpu"
-                and query.dtype == key_cache.dtype == value_cache.dtype and query.dtype in KERNEL_DTYPES
+                and key_cache.dtype == value_cache.dtype
+                and kernel_dtypes(query, key_cache) in kernel.PagedAttentionKernel.SYMBOLS
                 and query.stride(2) == 1 and query.stride(1) == head_dim
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and num_heads % num_kv_heads == 0 and self.kernel.supports(num_heads // num_kv_heads, head_dim))
+
+
+def kernel_dtypes(query: torch.Tensor, cache: torch.Tensor) -> tuple[str | None, str | None]:
+    """The kernel variant's key: the query's element type, the cache's (None: one it never has)."""
+    return DTYPE_NAMES.get(query.dtype), DTYPE_NAMES.get(cache.dtype)
 
 
 class RowPlan:

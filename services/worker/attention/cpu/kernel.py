@@ -1,7 +1,7 @@
 """paged_attention.c, compiled for this machine on first use and called through ctypes.
 
-The C source (with paged_attention_rows.h, its rows kernel written once for float32 and
-bfloat16) is built with the system's C compiler (CC, else cc) into a per-user cache keyed by
+The C source (with paged_attention_rows.h, its rows kernel written once for float32, bfloat16
+and a float32 query over a bfloat16 cache) is built with the system's C compiler (CC, else cc) into a per-user cache keyed by
 the source, the flags and the CPU, so a worker builds it once (well under a second) and later
 starts load it. -march=native needs the key's CPU: a cache shared by different machines keeps
 one build per CPU. It links the OpenMP runtime torch already loaded (libgomp.so.1, by soname),
@@ -36,14 +36,17 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class PagedAttentionKernel:
-    """The compiled library's entry points, typed: the rows kernel per element type, its limits."""
+    """The compiled library's entry points, typed: the rows kernel per (query, cache) element
+    types, its limits."""
 
-    SYMBOLS = {"float32": "llmserve_paged_attention_rows", "bfloat16": "llmserve_paged_attention_rows_bf16"}
+    SYMBOLS = {("float32", "float32"): "llmserve_paged_attention_rows",
+               ("float32", "bfloat16"): "llmserve_paged_attention_rows_f32_bf16_cache",
+               ("bfloat16", "bfloat16"): "llmserve_paged_attention_rows_bf16"}
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._rows = {}
-        for dtype, symbol in self.SYMBOLS.items():
-            rows = self._rows[dtype] = getattr(library, symbol)
+        for dtypes, symbol in self.SYMBOLS.items():
+            rows = self._rows[dtypes] = getattr(library, symbol)
             rows.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, _I,
                              ctypes.c_float, _I]
             rows.restype = None
@@ -55,12 +58,12 @@ class PagedAttentionKernel:
         """Whether a layer of num_heads / num_kv_heads = group and this head_dim fits the kernel."""
         return bool(self._supports(group, head_dim))
 
-    def attend_rows(self, dtype: str, query, query_row_stride: int, out, key_cache, value_cache,
+    def attend_rows(self, dtypes: tuple[str, str], query, query_row_stride: int, out, key_cache, value_cache,
                     block_tables, table_stride: int, rows, seqs, starts, ends, num_rows: int, num_heads: int,
                     num_kv_heads: int, head_dim: int, block_size: int, scale: float, num_threads: int) -> None:
-        """Pointers (ints) to query/out/caches of `dtype` (a key of SYMBOLS) and to int32
-        tables/rows/seqs/starts/ends."""
-        self._rows[dtype](query, query_row_stride, out, key_cache, value_cache, block_tables, table_stride,
+        """Pointers (ints) to query/out and caches of `dtypes` (a key of SYMBOLS: the query's, the
+        caches') and to int32 tables/rows/seqs/starts/ends."""
+        self._rows[dtypes](query, query_row_stride, out, key_cache, value_cache, block_tables, table_stride,
                           rows, seqs, starts, ends, num_rows, num_heads, num_kv_heads, head_dim, block_size,
                           scale, num_threads)
 

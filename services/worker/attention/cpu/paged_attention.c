@@ -6,7 +6,8 @@
  * starts[r] .. ends[r] - 1 of sequence seqs[r], whose blocks are block_tables[seqs[r]].
  * Each row is computed alone, in a fixed order: its result does not depend on the batch.
  *
- * Layouts (float32, or bfloat16 in the _bf16 variant): query [num_tokens, num_heads, head_dim]
+ * Layouts (float32, or bfloat16 in the _bf16 variant; a float32 query and out over bfloat16 caches
+ * in the _f32_bf16_cache one): query [num_tokens, num_heads, head_dim]
  * with rows query_row_stride apart (a view into the fused QKV projection), its heads contiguous;
  * out the same shape, contiguous; key_cache and value_cache [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  * block_tables [num_seqs, table_stride] int32. A row's every visible position must map to a
@@ -84,18 +85,29 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-#define ELEMENT float
-#define LOAD(x) (x)
-#define STORE(x) (x)
+#define QUERY_T float
+#define CACHE_T float
+#define LOAD_Q(x) (x)
+#define STORE_Q(x) (x)
+#define LOAD_KV(x) (x)
 #define ROWS_FUNCTION llmserve_paged_attention_rows
 #include "paged_attention_rows.h"
-#undef ELEMENT
-#undef LOAD
-#undef STORE
+#undef CACHE_T
+#undef LOAD_KV
 #undef ROWS_FUNCTION
 
-#define ELEMENT uint16_t
-#define LOAD(x) bf16_to_float(x)
-#define STORE(x) float_to_bf16(x)
+/* A float32 model over a bfloat16 cache (engine.kv_cache_dtype): half the bytes read a step. */
+#define CACHE_T uint16_t
+#define LOAD_KV(x) bf16_to_float(x)
+#define ROWS_FUNCTION llmserve_paged_attention_rows_f32_bf16_cache
+#include "paged_attention_rows.h"
+#undef QUERY_T
+#undef LOAD_Q
+#undef STORE_Q
+#undef ROWS_FUNCTION
+
+#define QUERY_T uint16_t
+#define LOAD_Q(x) bf16_to_float(x)
+#define STORE_Q(x) float_to_bf16(x)
 #define ROWS_FUNCTION llmserve_paged_attention_rows_bf16
 #include "paged_attention_rows.h"
