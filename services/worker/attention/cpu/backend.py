@@ -5,10 +5,9 @@ go to paged_attention.c, which reads each visible key and value once from the pa
 reference gathers every sequence's blocks into a padded copy, zeroes the padding and runs SDPA
 over it: on a 2-core CPU at 32 decode rows of ~400 positions that is about 4x the time per layer.
 Longer sequences (prefill chunks) stay on the reference, one SDPA per sequence, which is already
-compute-bound. Where the kernel cannot serve a layer (no compiler, neither float32 nor bfloat16,
-a pair of query and cache types it has no variant for, a head layout past its limits) the whole
-layer takes the reference, with the same results within
-rounding.
+compute-bound. Where the kernel cannot serve a layer (no compiler, a pair of query and cache types
+it has no variant for, a head layout past its limits) the whole layer takes the reference, with
+the same results within rounding.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """paged_attention.c, compiled for this machine on first use and called through ctypes.
 
 The C source (with paged_attention_rows.h, its rows kernel written once for float32, bfloat16
-and a float32 query over a bfloat16 cache) is built with the system's C compiler (CC, else cc) into a per-user cache keyed by
-the source, the flags and the CPU, so a worker builds it once (well under a second) and later
-starts load it. -march=native needs the key's CPU: a cache shared by different machines keeps
-one build per CPU. It links the OpenMP runtime torch already loaded (libgomp.so.1, by soname),
-so the kernel's threads are torch's, not a second pool competing for the same cores.
+and a float32 query over a bfloat16 cache) is built with the system's C compiler (CC, else cc)
+into a per-user cache keyed by the source, the flags and the CPU, so a worker builds it once
+(well under a second) and later starts load it. -march=native needs the key's CPU: a cache shared
+by different machines keeps one build per CPU. It links the OpenMP runtime torch already loaded
+(libgomp.so.1, by soname), so the kernel's threads are torch's, not a second pool competing for
+the same cores.
 
 No compiler (an image without one, as deploy/docker/worker-cpu.Dockerfile), or a build that
 fails: load() returns None, saying why once (a failed build as a warning), and the CPU path stays
