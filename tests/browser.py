@@ -13,6 +13,10 @@ CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium keeps dialling out of this closed network.
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# Chromium refuses to load pages from these ports (net::ERR_UNSAFE_PORT; net/base/port_util.cc's
+# restricted list above 1023), so a platform the browser visits must not listen on one.
+CHROMIUM_UNSAFE_PORTS = frozenset({1719, 1720, 1723, 2049, 3659, 4045, 4190, 5060, 5061, 6000, 6566,
+                                   *range(6665, 6670), 6679, 6697, 10080})
 
 
 @contextmanager

@@ -23,6 +23,7 @@ import openai
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.gateway.config import LocalModeConfig
+from tests.browser import CHROMIUM_UNSAFE_PORTS
 
 RUN_PY = Path(__file__).resolve().parents[2] / "deploy" / "local" / "run.py"
 READY_LINE = "llmserve is running:"       # run.py prints it once every service is healthy
@@ -72,10 +73,12 @@ class Platform:
 
 
 def _choose_port_offset(var_dir: Path) -> int:
-    """An offset at which every port of the platform is free (checked again by the launcher)."""
+    """An offset at which every port of the platform is free (checked again by the launcher) and
+    none is one Chromium refuses to visit (offset 2000 put the gateway on 10080)."""
     for _ in range(50):
         offset = random.randrange(10, 150) * 100
-        if all(LAUNCHER._port_free(p) for s in LAUNCHER.plan({}, offset, var_dir) for p in s.ports):
+        ports = [p for s in LAUNCHER.plan({}, offset, var_dir) for p in s.ports]
+        if not CHROMIUM_UNSAFE_PORTS.intersection(ports) and all(map(LAUNCHER._port_free, ports)):
             return offset
     raise RuntimeError("no port offset with all of the platform's ports free")
 
