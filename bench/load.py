@@ -64,8 +64,10 @@ LLAMA_PORT = 10         # the llama-cpp-python server listens on --port-base + t
 CAPACITY_STREAMS = 64   # clients of the capacity loop: the most the gateway admits (max_in_flight_per_model)
 # Each open-loop rate runs --seconds or until this many arrivals are expected, whichever is longer:
 # on a 2-core VM whose pool served 0.66 requests/s, 60 s at half of it brought 22 requests, and
-# their TTFT p95 was the second slowest (12-07, Zen 3 VM).
-MIN_ARRIVALS = 64
+# their TTFT p95 was the second slowest (12-07, Zen 3 VM). At 64, the same code's p95 over unloaded
+# moved by 0.2 at 0.5x and by 0.4 at 1x from one run to the next (12-07, Zen 4 VM): 128 narrows
+# a p95's spread by about 1/sqrt(2), for about 70 s more at 0.5x.
+MIN_ARRIVALS = 128
 CHAT_NUMBERS = itertools.count(1)
 
 
