@@ -54,12 +54,16 @@ import aiohttp
 
 from bench.engine import llama_cpp_peer, run_transformers, workload
 from bench.timing import percentile
+from services.worker.cpu_features import this_machine
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "perf"
 MODEL, INT8_MODEL = "smollm2-135m-instruct", "smollm2-135m-instruct-int8"
 ADMIN_TOKEN = os.environ.get("LLMSERVE_ADMIN_TOKEN", "admin-local-dev")
 EOS_BAN = {"2": -100}   # SmolLM2's <|im_end|>: answers run to their max_tokens, as the peers' do
+# The parts that run through `make run`. Each part's figures say when and on which machine they
+# were measured ("measured"): a later run of some parts keeps the others, so load.md may mix runs.
+PLATFORM_PARTS = frozenset({"burst", "alternating", "poisson", "fairness"})
 LLAMA_PORT = 10         # the llama-cpp-python server listens on --port-base + this
 CAPACITY_STREAMS = 64   # clients of the capacity loop: the most the gateway admits (max_in_flight_per_model)
 # Each open-loop rate runs --seconds or until this many arrivals are expected, whichever is longer:
@@ -578,13 +582,31 @@ def _before_after(row: dict, key: str) -> str:
             f"{_f(row[key + '_before'])} and {_f(row[key + '_after'])} s)")
 
 
+def _part(d: dict, part: str) -> dict:
+    """When, where and in which dtypes `part` was measured ({} in a report from before that was kept)."""
+    return d.get("measured", {}).get(part) or {}
+
+
+def _measured(d: dict, *parts: str) -> list[str]:
+    """The line under a section's heading saying on which machine and when each of its parts ran."""
+    runs: dict[str, dict[str, list[str]]] = {}
+    for part in parts:
+        if run := _part(d, part):
+            runs.setdefault(run["machine"], {}).setdefault(run["started"], []).append(part)
+    said = [f"on {machine}: " + "; ".join(f"{', '.join(named)} at {started}" for started, named in times.items())
+            for machine, times in runs.items()]
+    return [f"Measured {' / '.join(said)}.", ""] if said else []
+
+
 def render(d: dict) -> str:
     """docs/perf/load.md from the figures."""
-    t, dtypes = d.get("targets", {}), d.get("dtypes", {})
+    t = d.get("targets", {})
     lines = ["# Load: admission through `make run`", "",
-             f"`make bench-load` (python -m bench.load), platform parts started {d.get('started', '?')}, peers "
-             f"{d.get('peers_started', 'not run')}. `make run` as it ships: the default worker on every core in "
-             f"{dtypes.get(MODEL, 'float32')} (its dtype auto on this CPU), the "
+             f"`make bench-load` (python -m bench.load), "
+             + ("each section says on which machine and when its parts ran" if d.get("measured") else
+                f"platform parts started {d.get('started', '?')}, peers {d.get('peers_started', 'not run')}")
+             + ". `make run` as it ships: the default worker on every core in "
+             f"its dtype auto (bfloat16 on a CPU with bfloat16 units, else float32), the "
              f"int8 pool on one thread, the gateway admitting from the workers' reports with the CPU targets "
              f"(first token {_target(t)}, {t.get('stream_tokens_per_s')} tokens/s per stream, queue "
              f"wait at most {t.get('queue_timeout_s')} s). Mixed chat: prompts of 20-400 tokens, answers of 16-160 "
@@ -596,14 +618,18 @@ def render(d: dict) -> str:
     hf, llama = d.get("transformers") or {}, d.get("llama_cpp")
     if "tps" in hf:   # a report from before the peer ran per dtype: float32 then
         hf = {"float32": hf}
+    dtypes = _part(d, "burst").get("dtypes") or d.get("dtypes", {})
+    # A ratio across machines says nothing: where the peers ran elsewhere, their rows stay, the ratios go.
+    comparable = len({_part(d, p).get("machine") for p in ("burst", "peers")} - {None}) <= 1
     if burst:
         lines += ["## Burst: 32 at once with the openai SDK (default retries)", "",
+                  *_measured(d, "burst", "alternating", "peers"),
                   "| model | served | refused | tokens/s | TTFT p50 (s) | TTFT p95 (s) | vs transformers | vs llama.cpp |",
                   "|---|---|---|---|---|---|---|---|"]
         for b in burst:
-            peer = hf.get(dtypes.get(b["model"]), {})
+            peer = hf.get(dtypes.get(b["model"]), {}) if comparable else {}
             vs_hf = _f(b["tps"] / peer["tps"]) + f"x ({dtypes[b['model']]})" if peer.get("tps") else "-"
-            vs_ll = _f(b["tps"] / llama["tps"]) + "x" if llama and llama.get("tps") else "-"
+            vs_ll = _f(b["tps"] / llama["tps"]) + "x" if comparable and llama and llama.get("tps") else "-"
             model = f"{b['model']} (again, warm)" if b.get("warm") else b["model"]
             lines.append(f"| {model} | {b['served']}/{b['requests']} | {b['refused']} | {_f(b['tps'], 1)} | "
                          f"{_f(b['ttft_p50'])} | {_f(b['ttft_p95'])} | {vs_hf} | {vs_ll} |")
@@ -628,7 +654,8 @@ def render(d: dict) -> str:
         alternating = d.get("burst_alternating")
         if alternating:
             ratios = [r["ratio"] for r in alternating]
-            lines.append(f"- Alternating with transformers in {dtypes.get(MODEL)}, round by round (a burst of new "
+            lines.append(f"- Alternating with transformers in "
+                         f"{(_part(d, 'alternating').get('dtypes') or dtypes).get(MODEL)}, round by round (a burst of new "
                          f"chats, then transformers on the same prompts, the platform idle meanwhile): "
                          f"{', '.join(_f(r) + 'x' for r in ratios)}, median **{_f(statistics.median(ratios))}x** "
                          f"({', '.join(_f(r['tps'], 1) for r in alternating)} against "
@@ -642,6 +669,7 @@ def render(d: dict) -> str:
                f"{_f(m['tokens_per_s'], 1)} tokens/s in the last two thirds, over the mix's mean answer of "
                f"{_f(m['mean_answer_tokens'], 1)} tokens ({m['refused']} refusals on the way)") if m else "given (--capacity)"
         lines += ["## Open loop: Poisson arrivals at multiples of the pool's capacity", "",
+                  *_measured(d, "poisson"),
                   f"Capacity {_f(loop['capacity_rps'], 3)} requests/s, {how}; unloaded TTFT p95 "
                   f"{_f(loop['unloaded_ttft_p95'])} s{_before_after(loop, 'unloaded_ttft_p95')}, per-stream speed "
                   f"p50 {_f(loop['unloaded_speed_p50'], 1)} tokens/s.", "",
@@ -671,6 +699,7 @@ def render(d: dict) -> str:
     if fair:
         f1 = fair["flood_vs_one_at_a_time"]
         lines += ["## Fairness between organizations", "",
+                  *_measured(d, "fairness"),
                   f"- One organization flooding with 24 concurrent streams ({f1['a_requests']} requests, "
                   f"{f1['a_refused']} refused), a second sending one short chat at a time: {f1['b_requests']} "
                   f"requests, {f1['b_refused']} refused, {f1['b_errors']} errors; its TTFT p50 "
@@ -758,8 +787,9 @@ def write_report(data: dict) -> None:
         earlier = json.loads(path.read_text())
     except (OSError, ValueError):
         earlier = {}
-    data = {**(earlier if isinstance(earlier, dict) else {}), **data}
-    path.write_text(json.dumps(data, indent=1))
+    earlier = earlier if isinstance(earlier, dict) else {}
+    data = {**earlier, **data, "measured": {**earlier.get("measured", {}), **data.get("measured", {})}}
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False))
     (OUT / "load.md").write_text(render(data))
     print(json.dumps(data, indent=1))
 
@@ -802,9 +832,11 @@ def main() -> None:
     prompts = mixed_prompts(tokenizer, args.requests)
     data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), targets=targets, dtypes=pool_dtypes(),
                       requests=args.requests, seconds=args.seconds, fairness_seconds=args.fairness_seconds)
+    data["measured"] = {part: dict(started=data["started"], machine=this_machine(), dtypes=data["dtypes"])
+                        for part in sorted(parts & PLATFORM_PARTS)}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
-        needs_platform = parts & {"burst", "alternating", "poisson", "fairness"}
+        needs_platform = parts & PLATFORM_PARTS
         proc, url = (None, args.url) if args.url or not needs_platform else start_make_run(Path(tmp), args.port_base)
         try:
             if "burst" in parts:
@@ -829,6 +861,8 @@ def main() -> None:
     write_report(data)
     if "peers" in parts:   # after the platform stopped: the peers get the machine
         peers: dict = {"peers_started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        peers["measured"] = {"peers": dict(started=peers["peers_started"], machine=this_machine(),
+                                           dtypes=pool_dtypes())}
         try:
             # <|im_start|> (1) too: llama.cpp's ChatML handler stops on it, which cut a stream short.
             peers["llama_cpp"] = llama_cpp_peer(str(smollm2_gguf_path()), 0, 0, sorted({1, *tokenizer.eos_token_ids}),

@@ -5,6 +5,7 @@ the dtype "auto" picks on a CPU."""
 from __future__ import annotations
 
 import functools
+import os
 
 # x86: AVX-512 BF16 dot products (Cooper Lake, Zen 4 and later) or AMX tiles (Sapphire Rapids);
 # Arm: the BF16 extension (Graviton 3, Neoverse V1). Without one, oneDNN emulates bfloat16
@@ -30,3 +31,26 @@ def flag_set() -> frozenset[bytes]:
 def has_native_bfloat16() -> bool:
     """Whether bfloat16 matrix products run in hardware here."""
     return not BFLOAT16_FLAGS.isdisjoint(flag_set())
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("model name" on x86; empty where /proc says none)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            line = next((line for line in f if line.startswith(b"model name")), b"")
+    except OSError:
+        return ""
+    return line.partition(b":")[2].strip().decode(errors="replace")
+
+
+def summary(model: str, flags: frozenset[bytes], cpus: int) -> str:
+    """A machine as a benchmark's figures need it said: which CPU, how many, and the vector units
+    that decide what runs fast on it (the dtype "auto" picks among them)."""
+    vectors = "AVX-512 " if b"avx512f" in flags else "AVX2 " if b"avx2" in flags else ""
+    bfloat16 = "with" if not BFLOAT16_FLAGS.isdisjoint(flags) else "without"
+    return f"{model or 'an unnamed CPU'}, {cpus} CPUs, {vectors}{bfloat16} bfloat16 units"
+
+
+def this_machine() -> str:
+    """summary() of the machine this runs on."""
+    return summary(cpu_model(), flag_set(), os.cpu_count() or 1)
