@@ -14,13 +14,18 @@ BFLOAT16_FLAGS = frozenset({b"avx512_bf16", b"amx_bf16", b"bf16"})
 
 
 @functools.cache
-def cpu_flags() -> bytes:
-    """The CPU's feature-flag line ("flags" on x86, "Features" on Arm; empty where /proc has none)."""
+def _cpuinfo_line(*keys: bytes) -> bytes:
+    """The first line of /proc/cpuinfo that starts with one of `keys` (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+            return next((line for line in f if line.startswith(keys)), b"")
     except OSError:
         return b""
+
+
+def cpu_flags() -> bytes:
+    """The CPU's feature-flag line ("flags" on x86, "Features" on Arm; empty where /proc has none)."""
+    return _cpuinfo_line(b"flags", b"Features")
 
 
 def flag_set() -> frozenset[bytes]:
@@ -35,12 +40,7 @@ def has_native_bfloat16() -> bool:
 
 def cpu_model() -> str:
     """The CPU's model name ("model name" on x86; empty where /proc says none)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            line = next((line for line in f if line.startswith(b"model name")), b"")
-    except OSError:
-        return ""
-    return line.partition(b":")[2].strip().decode(errors="replace")
+    return _cpuinfo_line(b"model name").partition(b":")[2].strip().decode(errors="replace")
 
 
 def summary(model: str, flags: frozenset[bytes], cpus: int) -> str:
