@@ -832,7 +832,9 @@ def main() -> None:
     prompts = mixed_prompts(tokenizer, args.requests)
     data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), targets=targets, dtypes=pool_dtypes(),
                       requests=args.requests, seconds=args.seconds, fairness_seconds=args.fairness_seconds)
-    data["measured"] = {part: dict(started=data["started"], machine=this_machine(), dtypes=data["dtypes"])
+    # With --url the platform runs elsewhere: only the client's machine is known here.
+    machine = f"the platform at {args.url} (the client on {this_machine()})" if args.url else this_machine()
+    data["measured"] = {part: dict(started=data["started"], machine=machine, dtypes=data["dtypes"])
                         for part in sorted(parts & PLATFORM_PARTS)}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
@@ -862,7 +864,7 @@ def main() -> None:
     if "peers" in parts:   # after the platform stopped: the peers get the machine
         peers: dict = {"peers_started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         peers["measured"] = {"peers": dict(started=peers["peers_started"], machine=this_machine(),
-                                           dtypes=pool_dtypes())}
+                                           dtypes=data["dtypes"])}
         try:
             # <|im_start|> (1) too: llama.cpp's ChatML handler stops on it, which cut a stream short.
             peers["llama_cpp"] = llama_cpp_peer(str(smollm2_gguf_path()), 0, 0, sorted({1, *tokenizer.eos_token_ids}),
